@@ -1,0 +1,73 @@
+"""The one KV cache: the target's, position-indexed, shared by draft and verify.
+
+Each layer owns a buffer `[batch, kv_heads, capacity, head_dim]` allocated on
+its first write, and a length: the number of positions that hold valid
+entries. A write of q new positions goes to `[length, length + q)` and the
+layer attends to the view `[0, length + q)`. Layers have separate lengths
+because the draft writes only the layers it runs.
+
+Rollback is `crop(length)`: it moves the length pointer and copies nothing, so
+rejecting drafted tokens costs O(1). Stale entries past the length are simply
+overwritten by the next write.
+
+The transformers attention modules call `update(key, value, layer_idx)`; that
+is the whole interface they need. This module does not know which layers a
+plan runs or which entries are exact: the decode loop decides what to crop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+class SharedKVCache:
+    """Preallocated, position-indexed KV cache with O(1) rollback."""
+
+    def __init__(self, num_layers: int, capacity: int) -> None:
+        self.capacity = capacity
+        self.lengths = [0] * num_layers
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append `key_states`/`value_states` `[batch, kv_heads, q, head_dim]`; return all valid entries."""
+        start = self.lengths[layer_idx]
+        end = start + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(
+                f"KV cache overflow at layer {layer_idx}: {end} positions > capacity {self.capacity}"
+            )
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if keys is None or values is None:
+            keys = self.keys[layer_idx] = _buffer_like(key_states, self.capacity)
+            values = self.values[layer_idx] = _buffer_like(value_states, self.capacity)
+        keys[:, :, start:end].copy_(key_states)
+        values[:, :, start:end].copy_(value_states)
+        self.lengths[layer_idx] = end
+        return keys[:, :, :end], values[:, :, :end]
+
+    def crop(self, length: int, layers: Iterable[int] | None = None) -> None:
+        """Keep the first `length` positions of `layers` (all layers when None). O(1)."""
+        for i in range(len(self.lengths)) if layers is None else layers:
+            if self.lengths[i] > length:
+                self.lengths[i] = length
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.lengths[layer_idx]
+
+    def entries(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The valid keys and values of one layer, `[batch, kv_heads, length, head_dim]` views."""
+        n = self.lengths[layer_idx]
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if keys is None or values is None:
+            raise ValueError(f"layer {layer_idx} has no cache entries yet")
+        return keys[:, :, :n], values[:, :, :n]
+
+
+def _buffer_like(states: torch.Tensor, capacity: int) -> torch.Tensor:
+    batch, heads, _, head_dim = states.shape
+    return torch.empty(batch, heads, capacity, head_dim, dtype=states.dtype, device=states.device)

@@ -1,0 +1,264 @@
+"""`wrap(model)` and the decode loop: draft, verify, accept, roll back, emit, record.
+
+The loop keeps one invariant: at the top of each round the cache holds the
+target's entries for every token but the last emitted one, whose entries the
+round computes. A round drafts up to k tokens through the plan's layers,
+verifies them in one pass of the remaining layers, keeps the accepted prefix
+plus the target's own next token, and crops the cache back to what was kept.
+
+The cache lives for one `generate()` call and is dropped with it, so a
+generation that raises (a streamer that throws, Ctrl-C) leaves nothing
+behind; the model itself is only ever read.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .adapter import Adapter, ModelParts, adapter_for
+from .draft import AdaptiveThreshold, Draft, Drafter
+from .hf_generation import GenerationSettings, resolve_settings
+from .plan import DraftPlan
+from .runner import LayerRunner
+from .scoring import Scorer
+from .stats import GenerationStats
+from .verify import verify_greedy, verify_sampling
+
+
+def wrap(model, *, plan: DraftPlan | str | os.PathLike | dict | None = None) -> "SelfSpecModel":
+    """Wrap a Hugging Face causal LM for self-speculative generation. The model is not modified.
+
+    `plan`: a `DraftPlan`, a path to a saved plan (JSON), a plan dict, or None
+    for the adapter's plan for this model.
+    """
+    adapter = adapter_for(model)
+    return SelfSpecModel(model, adapter=adapter, plan=_as_plan(plan, adapter, model.config))
+
+
+def _as_plan(plan, adapter: Adapter, config) -> DraftPlan:
+    if plan is None:
+        return adapter.plan_for(config)
+    if isinstance(plan, DraftPlan):
+        return plan
+    if isinstance(plan, dict):
+        return DraftPlan.from_dict(plan)
+    if isinstance(plan, (str, os.PathLike)):
+        return DraftPlan.load(plan)
+    raise ValueError(f"plan must be a DraftPlan, a dict, a path to a plan JSON file or None, got {type(plan).__name__}")
+
+
+class SelfSpecModel:
+    """A model wrapped for self-speculative decoding; `generate()` works as in transformers."""
+
+    def __init__(self, model, *, adapter: Adapter, plan: DraftPlan) -> None:
+        self.model = model
+        self.adapter = adapter
+        self.parts: ModelParts = adapter.bind(model)
+        self.plan = plan
+        self.drafter = Drafter(plan, self.parts.num_layers)  # validates the plan against the model
+        self.last_stats: GenerationStats | None = None
+
+    def __repr__(self) -> str:
+        return f"SelfSpecModel({type(self.model).__name__}, adapter={self.adapter.name!r}, plan={self.describe_plan()!r})"
+
+    def describe_plan(self) -> str:
+        return self.plan.describe(self.parts.num_layers)
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        max_new_tokens: int | None = None,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
+        generation_config=None,
+        logits_processor=None,
+        stopping_criteria=None,
+        streamer=None,
+        generator: torch.Generator | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """Generate after `input_ids` `[1, prompt]`; returns `[1, prompt + new]`, stats in `last_stats`."""
+        prompt = self._check_prompt(input_ids, attention_mask)
+        settings = resolve_settings(
+            self.model,
+            prompt_length=len(prompt),
+            generation_config=generation_config,
+            logits_processor=logits_processor,
+            stopping_criteria=stopping_criteria,
+            device=input_ids.device,
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            **kwargs,
+        )
+        self._check_context(len(prompt), settings.max_new_tokens)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        tokens, self.last_stats = self._decode(prompt, settings, streamer, generator)
+        if streamer is not None:
+            streamer.end()
+        return torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
+
+    def _decode(
+        self, prompt: list[int], settings: GenerationSettings, streamer, generator
+    ) -> tuple[list[int], GenerationStats]:
+        num_layers = self.parts.num_layers
+        k = self.plan.draft_length
+        runner = LayerRunner(
+            self.parts,
+            self.adapter,
+            self.model.config,
+            capacity=len(prompt) + settings.max_new_tokens + k + 1,
+            device=self.parts.lm_head.weight.device,
+        )
+        scorer = Scorer(settings, generator)
+        out = Output(prompt, settings, streamer)
+        policy = AdaptiveThreshold(self.plan)
+        stats = GenerationStats(plan=self.describe_plan())
+        clock = Clock(runner.positions.device)
+
+        # Prefill: the prompt through every layer; its last row gives the first new token.
+        hidden = runner.run(runner.embed(prompt), range(num_layers), 0)
+        first_scores = scorer.scores(runner.logits(hidden[:, -1:]), out.tokens, len(out.tokens))
+        out.emit([scorer.target_choice(first_scores)])
+        stats.verify_passes += 1
+        stats.prefill_seconds = clock.lap()
+
+        while not out.done:
+            start = len(out.tokens) - 1  # position of the last emitted token, not in the cache yet
+            budget = min(k, out.remaining - 1)
+            # 1. draft
+            draft = self.drafter.propose(runner, scorer, out.tokens, budget, policy.threshold)
+            stats.draft_seconds += clock.lap()
+            # 2. verify: one pass of the target over the last token and the draft
+            logits = self._verify(runner, out.tokens[-1], draft, start)  # [k+1, vocab]
+            scores = scorer.scores(logits, out.tokens + draft.tokens, len(out.tokens))
+            # 3. accept
+            if settings.do_sample:
+                verdict = verify_sampling(draft.tokens, draft.probs, scorer.probs(scores), generator)
+            else:
+                verdict = verify_greedy(draft.tokens, scores)
+            # 4. roll back: keep the entries of the last token and of the accepted drafted tokens
+            runner.cache.crop(start + 1 + verdict.accepted)
+            stats.verify_seconds += clock.lap()
+            # 5. emit (stops at EOS, a stopping criterion or max_new_tokens)
+            out.emit(draft.tokens[: verdict.accepted] + [verdict.next_token])
+            # 6. record
+            stats.record_round(drafted=len(draft.tokens), accepted=verdict.accepted)
+            policy.update(drafted=len(draft.tokens), accepted=verdict.accepted)
+
+        stats.new_tokens = len(out.tokens) - len(prompt)
+        stats.total_seconds = clock.total()
+        stats.final_threshold = policy.threshold
+        return out.tokens, stats
+
+    def _verify(self, runner: LayerRunner, last_token: int, draft: Draft, start: int) -> torch.Tensor:
+        """Target logits `[k+1, vocab]` for the last emitted token and the k drafted tokens."""
+        num_layers = self.parts.num_layers
+        k = len(draft.tokens)
+        s = self.drafter.exact_prefix if k else 0
+        if s:
+            # The exact prefix already ran for x, d_1..d_{k-1}; only d_k still needs it.
+            tail = runner.run(runner.embed(draft.tokens[-1:]), range(s), start + k)  # [1, 1, hidden]
+            hidden = torch.cat([*draft.boundary, tail], dim=1)  # [1, k+1, hidden]
+        else:
+            hidden = runner.embed([last_token] + draft.tokens)  # [1, k+1, hidden]
+        runner.cache.crop(start, layers=range(s, num_layers))  # drop the draft's inexact entries
+        return runner.logits(runner.run(hidden, range(s, num_layers), start))
+
+    def _check_prompt(self, input_ids, attention_mask) -> list[int]:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError("input_ids must be a [batch, length] tensor of token ids")
+        batch, length = input_ids.shape
+        if batch != 1:
+            raise ValueError(f"batch size {batch} is not supported yet (valid: 1)")
+        if length < 1:
+            raise ValueError("input_ids is empty: the prompt needs at least one token")
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("attention_mask with padding is not supported (batch size 1 needs no padding)")
+        return input_ids[0].tolist()
+
+    def _check_context(self, prompt_length: int, max_new_tokens: int) -> None:
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        if context is None:
+            return
+        if prompt_length > context:
+            raise ValueError(
+                f"prompt of {prompt_length} tokens is longer than the model's context "
+                f"(max_position_embeddings={context}; valid prompt length: 1..{context})"
+            )
+        if prompt_length + max_new_tokens > context:
+            raise ValueError(
+                f"prompt ({prompt_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                f"context of {context} tokens (valid max_new_tokens: 1..{context - prompt_length})"
+            )
+
+
+class Output:
+    """The growing token sequence; decides when generation stops and feeds the streamer."""
+
+    def __init__(self, prompt: list[int], settings: GenerationSettings, streamer) -> None:
+        self.tokens = list(prompt)
+        self.limit = len(prompt) + settings.max_new_tokens
+        self.eos = settings.eos_token_ids
+        self.criteria = settings.stopping_criteria
+        self.streamer = streamer
+        self.done = False
+
+    @property
+    def remaining(self) -> int:
+        return self.limit - len(self.tokens)
+
+    def emit(self, chunk: list[int]) -> None:
+        kept = []
+        for token in chunk:
+            self.tokens.append(token)
+            kept.append(token)
+            if token in self.eos or len(self.tokens) >= self.limit or self._criteria_met():
+                self.done = True
+                break
+        if self.streamer is not None:
+            self.streamer.put(torch.tensor(kept))
+
+    def _criteria_met(self) -> bool:
+        if not self.criteria:
+            return False
+        return bool(self.criteria(torch.tensor([self.tokens]), None).any())
+
+
+@dataclass
+class Clock:
+    """Wall-clock laps; synchronises CUDA so a lap measures the work, not the launch."""
+
+    device: torch.device
+
+    def __post_init__(self) -> None:
+        self.begin = self.mark = time.perf_counter()
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def lap(self) -> float:
+        now = self._now()
+        lap, self.mark = now - self.mark, now
+        return lap
+
+    def total(self) -> float:
+        return self._now() - self.begin

@@ -1,0 +1,38 @@
+"""Calling conventions of decoder layers, named so adapters can refer to them.
+
+An adapter's `layer_call` picks one of these functions. Each takes a layer
+module, the hidden states `[1, q, hidden]` and what the engine prepared (mask,
+rotary embeddings, position ids, the shared cache) and returns the layer's
+output hidden states `[1, q, hidden]`. Nothing here keeps state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def decoder_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, position_ids, cache) -> torch.Tensor:
+    """transformers 5.x decoder layers of the Llama kind (Llama, Mistral, Qwen, ...)."""
+    out = layer(
+        hidden,
+        attention_mask=mask,
+        position_embeddings=position_embeddings,
+        position_ids=position_ids,
+        cache=cache,
+        use_cache=True,
+    )
+    return out[0] if isinstance(out, tuple) else out
+
+
+LAYER_CALLS: dict[str, Callable[..., torch.Tensor]] = {
+    "decoder_layer": decoder_layer,
+}
+
+
+def layer_call(name: str) -> Callable[..., torch.Tensor]:
+    try:
+        return LAYER_CALLS[name]
+    except KeyError:
+        raise ValueError(f"unknown layer_call {name!r}; known: {sorted(LAYER_CALLS)}") from None

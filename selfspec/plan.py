@@ -1,0 +1,189 @@
+"""Draft plans: which layers the draft runs and how many tokens it proposes.
+
+A `DraftPlan` is frozen data. It can be compared, hashed, saved to JSON and
+loaded back. It knows nothing about a particular model until `draft_layers`
+checks it against a layer count; the engine calls that once, at `wrap` time,
+so a bad plan fails before any generation starts.
+
+Two ways to name the draft's layers (give exactly one):
+
+- `exit_layer=E`: early exit, the draft runs layers 0..E-1, then the final norm
+  and the LM head;
+- `layers=[...]`: the draft runs these layers, in increasing order.
+
+The draft-length policy: at most `draft_length` tokens per round (k). With
+`adaptive=True` drafting also stops after a token whose draft probability is
+under a confidence threshold; the threshold starts at `threshold` and moves by
+`threshold_step` after each round so that the observed acceptance rate tracks
+`target_acceptance` (the rule of Draft & Verify, Zhang et al. 2023).
+
+`draft_length=0` turns drafting off: the engine then runs its own plain path,
+one full forward pass per token, which is the baseline every plan is measured
+against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+PLAN_FORMAT = "selfspec.plan/1"
+MAX_DRAFT_LENGTH = 64
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """Which layers the draft runs, and the draft-length policy."""
+
+    layers: tuple[int, ...] | None = None
+    exit_layer: int | None = None
+    draft_length: int = 4
+    adaptive: bool = False
+    threshold: float = 0.5
+    target_acceptance: float = 0.8
+    threshold_step: float = 0.05
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
+        _check_int("draft_length", self.draft_length, 0, MAX_DRAFT_LENGTH)
+        for field in ("threshold", "target_acceptance"):
+            _check_unit_interval(field, getattr(self, field))
+        _check_unit_interval("threshold_step", self.threshold_step)
+        if self.layers is not None and self.exit_layer is not None:
+            raise ValueError(
+                f"DraftPlan takes either layers= or exit_layer=, not both "
+                f"(got layers={list(self.layers)}, exit_layer={self.exit_layer})"
+            )
+        if self.draft_length == 0:
+            return  # the plain path: which layers would draft does not matter
+        if self.exit_layer is not None:
+            _check_int("exit_layer", self.exit_layer, 1, None)
+            return
+        if self.layers is None or len(self.layers) == 0:
+            raise ValueError(
+                "empty plan: give exit_layer=E (E >= 1) or a non-empty layers=[...] list, "
+                "or draft_length=0 for plain decoding"
+            )
+        if min(self.layers) < 0:
+            raise ValueError(f"layer index {min(self.layers)} out of range: layer indices start at 0")
+        duplicates = sorted({i for i in self.layers if self.layers.count(i) > 1})
+        if duplicates:
+            raise ValueError(f"duplicate layers in plan: {duplicates}; each layer may appear once")
+        if list(self.layers) != sorted(self.layers):
+            raise ValueError(
+                f"plan layers must be in increasing order (the order they run in the model), got {list(self.layers)}"
+            )
+
+    # -- constructors -------------------------------------------------------------
+
+    @classmethod
+    def plain(cls) -> "DraftPlan":
+        """No drafting: one full forward pass per token (the engine's plain path)."""
+        return cls(draft_length=0, name="plain")
+
+    # -- what the plan means for a model with `num_layers` layers ----------------
+
+    @property
+    def drafts(self) -> bool:
+        return self.draft_length > 0
+
+    def draft_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The layer indices the draft runs, checked against the model's layer count."""
+        if not self.drafts:
+            return ()
+        if self.exit_layer is not None:
+            if self.exit_layer > num_layers:
+                raise ValueError(
+                    f"exit_layer={self.exit_layer} out of range: this model has {num_layers} layers "
+                    f"(valid: 1..{num_layers})"
+                )
+            return tuple(range(self.exit_layer))
+        assert self.layers is not None
+        bad = [i for i in self.layers if i >= num_layers]
+        if bad:
+            raise ValueError(
+                f"layer index {bad[0]} out of range: this model has {num_layers} layers "
+                f"(valid: 0..{num_layers - 1})"
+            )
+        return self.layers
+
+    def exact_prefix(self, num_layers: int) -> int:
+        """How many leading layers (0..s-1) the draft runs exactly as the target does.
+
+        Their cache entries and the hidden states after layer s-1 are the
+        target's own, so the verify pass keeps them and resumes at layer s.
+        """
+        s = 0
+        for i in self.draft_layers(num_layers):
+            if i != s:
+                break
+            s += 1
+        return s
+
+    def describe(self, num_layers: int) -> str:
+        if not self.drafts:
+            return "plain decoding (no draft)"
+        layers = self.draft_layers(num_layers)
+        where = (
+            f"early exit after layer {self.exit_layer - 1}"
+            if self.exit_layer is not None
+            else f"{len(layers)}/{num_layers} layers {list(layers)}"
+        )
+        policy = f"k<={self.draft_length}"
+        if self.adaptive:
+            policy += f", adaptive (threshold {self.threshold:g} -> acceptance {self.target_acceptance:g})"
+        return f"{where}, {policy}"
+
+    # -- serialisation ---------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        if data["layers"] is not None:
+            data["layers"] = list(data["layers"])
+        return {"format": PLAN_FORMAT, **data}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "DraftPlan":
+        data = dict(data)
+        fmt = data.pop("format", PLAN_FORMAT)
+        if fmt != PLAN_FORMAT:
+            raise ValueError(f"unknown plan format {fmt!r}; this selfspec reads {PLAN_FORMAT!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown plan field(s) {unknown}; valid fields: {sorted(known)}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "DraftPlan":
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "DraftPlan":
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(f.read())
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        valid = f"{low}..{high}" if high is not None else f">= {low}"
+        raise ValueError(f"{name}={value} out of range (valid: {valid})")
+
+
+def _check_unit_interval(name: str, value: Any) -> None:
+    if not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{name}={value!r} out of range (valid: 0.0..1.0)")

@@ -1,0 +1,83 @@
+"""What one generation did, measured: drafted, accepted, tokens per pass, time.
+
+Counting rules (the words are defined in DESIGN.md):
+- a *verify pass* is one forward pass of the full model; the prompt's prefill
+  counts as one (it emits the first new token), so plain decoding reports
+  exactly 1.00 tokens per pass;
+- `accepted_lengths[n]` counts the rounds that accepted n drafted tokens;
+- emitted tokens stop at EOS, a stopping criterion or `max_new_tokens`, so a
+  round may emit fewer tokens than it verified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    new_tokens: int = 0
+    rounds: int = 0
+    verify_passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    recovered: int = 0
+    bonus: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+    plan: str = ""
+    final_threshold: float | None = None
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / drafted (0.0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Emitted tokens per full forward pass (tau); 1.00 for plain decoding."""
+        return self.new_tokens / self.verify_passes if self.verify_passes else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_seconds if self.total_seconds else 0.0
+
+    def record_round(self, *, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        self.verify_passes += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        if accepted < drafted:
+            self.recovered += 1
+        else:
+            self.bonus += 1 if drafted else 0
+        while len(self.accepted_lengths) <= accepted:
+            self.accepted_lengths.append(0)
+        self.accepted_lengths[accepted] += 1
+
+    def as_dict(self) -> dict:
+        data = {k: v for k, v in self.__dict__.items()}
+        data.update(
+            acceptance_rate=self.acceptance_rate,
+            tokens_per_pass=self.tokens_per_pass,
+            tokens_per_second=self.tokens_per_second,
+        )
+        return data
+
+    def __str__(self) -> str:
+        lines = [
+            f"plan: {self.plan}",
+            f"new tokens {self.new_tokens} in {self.total_seconds:.2f} s ({self.tokens_per_second:.1f} tok/s)",
+            f"verify passes {self.verify_passes} (rounds {self.rounds} + prefill), "
+            f"tokens per pass {self.tokens_per_pass:.2f}",
+            f"drafted {self.drafted}, accepted {self.accepted}, acceptance rate {self.acceptance_rate:.1%}",
+            f"accepted length histogram: {self.accepted_lengths}",
+            f"time: prefill {self.prefill_seconds:.3f} s, draft {self.draft_seconds:.3f} s, "
+            f"verify {self.verify_seconds:.3f} s",
+        ]
+        if self.final_threshold is not None:
+            lines.append(f"adaptive threshold at the end: {self.final_threshold:.2f}")
+        return "\n".join(lines)
