@@ -90,6 +90,8 @@ class SelfSpecModel:
     ) -> torch.Tensor:
         """Generate after `input_ids` `[1, prompt]`; returns `[1, prompt + new]`, stats in `last_stats`."""
         prompt = self._check_prompt(input_ids, attention_mask)
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} out of range (valid: >= 1)")
         settings = resolve_settings(
             self.model,
             prompt_length=len(prompt),

@@ -18,10 +18,11 @@ What this module knows:
   its file name and size.
 
 Every model comes back cast to one dtype, on one device, in eval mode, with the
-"sdpa" attention implementation.
+"sdpa" attention implementation. Gemma 3 overflows in float16 (its logits turn
+non-finite), so asking for that warns; bfloat16 and float32 are fine.
 
-What it does not know: the Hugging Face Hub (no downloads, and hub ids other than
-the aliases below are errors); running GGUF weights quantized (the quantization
+What it does not know: the Hugging Face Hub (no downloads; a hub id that is not an
+alias in ``KNOWN_MODELS`` is an error); running GGUF weights quantized (the quantization
 error is baked into the float32 values, the block format is not kept);
 GGUF architectures that transformers itself cannot read; device maps,
 sharding or offloading across several devices.
@@ -43,6 +44,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -101,6 +103,7 @@ class KnownModel:
     has_chat_template: bool
     duration_hint: str
     locate: Callable[[KnownModel], GgufSource]
+    broken_dtypes: tuple[torch.dtype, ...] = ()  # dtypes in which its activations overflow
 
     def gguf_source(self) -> GgufSource:
         """Find the installed GGUF file; raises ModuleNotFoundError naming the pip command if missing."""
@@ -183,6 +186,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             has_chat_template=False,
             duration_hint="about 1 min",
             locate=_locate_gemma3,
+            broken_dtypes=(torch.float16,),
         ),
     )
 }
@@ -257,6 +261,11 @@ def load(
 
     known = _find_known(name_or_path) if isinstance(name_or_path, str) else None
     if known is not None:
+        if torch_dtype in known.broken_dtypes:
+            warnings.warn(
+                f"{known.display_name} overflows in {torch_dtype} (non-finite logits); use bfloat16 or float32",
+                stacklevel=2,
+            )
         source = known.gguf_source()
         return _load_gguf_cached(source, cache / known.name, torch_dtype, device, progress)
 
