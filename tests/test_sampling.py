@@ -1,0 +1,437 @@
+"""Sampling is lossless: self-speculative samples are distributed exactly as the target's.
+
+What is tested
+--------------
+1. `verify_sampling` alone: the first emitted token (the drafted token if
+   accepted, else the recovered one) is distributed as p, for several (p, q)
+   pairs, including q = 0 where p > 0, p = 0 where q > 0, one-hot drafts and
+   p == q; a multi-round loop on a synthetic Markov chain (k = 3) checks the
+   joint law of several emitted tokens (rows i > 0, residuals at i > 0, bonus
+   tokens). Two deliberately wrong rules must FAIL the same check (power).
+2. End to end on a tiny random float64 Llama: the joint law of the first four
+   new tokens from `selfspec` sampling matches the exact law computed from
+   the model's own full forward passes (with temperature, top-k and top-p
+   applied through transformers' warpers). Token 1 comes from the prefill;
+   tokens 2-4 come from drafted/verified rounds (accepted, recovered, bonus).
+   An engine that always accepts the draft must fail the same check.
+3. Seeded runs reproduce exactly (explicit generator; global seed).
+4. Plain sampling (draft_length=0) and drafted sampling both run.
+
+The statistical check and its false-failure probability
+-------------------------------------------------------
+`assert_distribution(counts, p)` uses a per-cell Chernoff bound, which is
+exact for every N (no asymptotic chi-square approximation): for each cell i
+with empirical frequency a_i = counts_i / N and exact probability p_i,
+
+    P(N * KL(a_i || p_i) >= c and a_i >= p_i) <= exp(-c)   (same for a_i <= p_i)
+
+where KL is the Bernoulli KL divergence, so with a union bound over the V
+cells, P(max_i N * KL(a_i || p_i) >= c) <= 2 V exp(-c). We take
+c = ln(2 V / DELTA), so each check falsely fails with probability at most
+DELTA = 1e-7, whatever the number of cells. A cell with p_i = 0 that is ever
+observed gives KL = inf: an impossible token fails the check outright.
+
+This file runs CHECKS_IN_FILE = 40 such checks on samples whose law is the
+reference law (test 1: 6 pairs + 4 Markov-chain checks + 6 checks that the
+wrong-rule harness produces the wrong rule's own exact law; test 2: 3 cases x
+8), so over random seeds the whole file would falsely fail with probability
+at most 40 * 1e-7 = 4e-6 (< 1e-5). All seeds are fixed, so the outcome is
+deterministic anyway.
+
+Power (a wrong sampler must fail): in test 1 a wrong rule is only run on
+pairs where its exact law deviates from p by more than 3 detection radii in
+some cell, so its statistic there would have to fall ~2 radii short of its
+own mean for a false pass (by the same Chernoff bound, roughly exp(-4c) with
+c ~ 19, i.e. negligible). The end-to-end power check (always-accept engine,
+400 runs) fails the check with the fixed seed by a margin of ~2x the
+threshold on the token-2 and token-3 marginals; it is a demonstration at
+small N, not a bound. The end-to-end check is sized for gross errors (a
+detection radius of ~0.05-0.06 per cell at N = 1,000), plus any impossible
+token (outside top-k / top-p), which fails at any N.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import itertools
+import math
+
+import pytest
+import torch
+import transformers
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+import selfspec
+import selfspec.engine
+from selfspec.verify import Verdict, sample, verify_sampling
+
+DELTA = 1e-7  # false-failure probability bound of one `assert_distribution` check
+CHECKS_IN_FILE = 40  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: one intra-op thread is several times faster than two on a shared 2-core box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# -- the statistical check -------------------------------------------------------------------
+
+
+def kl_bernoulli(a: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """KL(Bernoulli(a) || Bernoulli(p)) elementwise, float64, with 0 log 0 = 0 and inf where a>0, p=0."""
+    a, p = a.double(), p.double()
+
+    def term(x, y):
+        out = torch.where(x > 0, x * (torch.log(x) - torch.log(y)), torch.zeros_like(x))
+        return torch.where((x > 0) & (y <= 0), torch.full_like(x, math.inf), out)
+
+    return term(a, p) + term(1 - a, 1 - p)
+
+
+def distribution_statistic(counts: torch.Tensor, p: torch.Tensor) -> tuple[float, float]:
+    """(max_i N KL(a_i || p_i), threshold c = ln(2V / DELTA)); the check passes iff statistic < c."""
+    counts, p = counts.flatten().double(), p.flatten().double()
+    n = counts.sum()
+    stat = float((n * kl_bernoulli(counts / n, p.clamp(0, 1))).max())
+    return stat, math.log(2 * p.numel() / DELTA)
+
+
+def passes(counts: torch.Tensor, p: torch.Tensor) -> bool:
+    stat, threshold = distribution_statistic(counts, p)
+    return stat < threshold
+
+
+def assert_distribution(counts: torch.Tensor, p: torch.Tensor, what: str) -> None:
+    """Fails with probability <= DELTA when `counts` are N iid draws from `p` (see module docstring)."""
+    assert abs(float(p.sum()) - 1) < 1e-9, f"{what}: reference does not sum to 1"
+    stat, threshold = distribution_statistic(counts, p)
+    n = int(counts.sum())
+    worst = int((n * kl_bernoulli(counts.flatten().double() / n, p.flatten().double())).argmax())
+    assert stat < threshold, (
+        f"{what}: observed law differs from the exact one (max N*KL = {stat:.1f} >= {threshold:.1f}; "
+        f"worst cell {worst}: observed {int(counts.flatten()[worst])}/{n} = "
+        f"{float(counts.flatten()[worst]) / n:.4f}, expected {float(p.flatten()[worst]):.4f})"
+    )
+
+
+def detection_radius(p: torch.Tensor, n: int) -> torch.Tensor:
+    """Roughly the smallest per-cell deviation |a_i - p_i| the check detects at n draws."""
+    c = math.log(2 * p.numel() / DELTA)
+    return torch.sqrt(2 * c * p * (1 - p) / n) + c / n
+
+
+# -- 1. verify_sampling alone ----------------------------------------------------------------
+
+V_UNIT = 8
+N_UNIT = 20_000
+
+
+def _pairs() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2024)
+
+    def dirichlet(alpha: float) -> torch.Tensor:
+        x = torch._standard_gamma(torch.full((V_UNIT,), alpha, dtype=torch.float64), generator=g)
+        return x / x.sum()
+
+    def zero(x: torch.Tensor, where: list[int]) -> torch.Tensor:
+        x = x.clone()
+        x[where] = 0
+        return x / x.sum()
+
+    p_shared = dirichlet(1.0)
+    one_hot = torch.zeros(V_UNIT, dtype=torch.float64)
+    one_hot[6] = 1
+    return {
+        "random": (dirichlet(1.0), dirichlet(1.0)),
+        "peaked": (dirichlet(0.3), dirichlet(0.3)),
+        "q zero where p>0": (dirichlet(1.0), zero(dirichlet(1.0), [0, 1, 2])),
+        "p zero where q>0, and q zero where p>0": (
+            zero(dirichlet(1.0), [0, 1, 2, 3]),
+            zero(dirichlet(1.0), [5, 6, 7]),
+        ),
+        "one-hot draft": (dirichlet(1.0), one_hot),
+        "p == q": (p_shared, p_shared.clone()),
+    }
+
+
+PAIRS = _pairs()
+
+
+def always_accept(draft_tokens, draft_probs, target_probs, generator=None) -> Verdict:
+    """WRONG rule: keep every drafted token (emits q, not p)."""
+    k = len(draft_tokens)
+    return Verdict(k, sample(target_probs[k], generator))
+
+
+def resample_from_p(draft_tokens, draft_probs, target_probs, generator=None) -> Verdict:
+    """WRONG rule: the right acceptance test, but on rejection sample from p instead of max(0, p - q)."""
+    for i, x in enumerate(draft_tokens):
+        u = float(torch.rand(1, generator=generator, dtype=torch.float64))
+        if u * float(draft_probs[i, x]) > float(target_probs[i, x]):
+            return Verdict(i, sample(target_probs[i], generator))
+    return Verdict(len(draft_tokens), sample(target_probs[len(draft_tokens)], generator))
+
+
+def first_token_counts(rule, p: torch.Tensor, q: torch.Tensor, n: int, seed: int) -> torch.Tensor:
+    """Counts of the first emitted token over n single-token rounds: draft x ~ q, then `rule`."""
+    g = torch.Generator().manual_seed(seed)
+    drafts = torch.multinomial(q, n, replacement=True, generator=g).tolist()
+    draft_probs = q[None]  # [1, V]
+    bonus = torch.full_like(p, 1 / len(p))  # row k: the bonus law; never the first token when k=1
+    target_probs = torch.stack([p, bonus])  # [2, V]
+    counts = [0] * len(p)
+    for x in drafts:
+        verdict = rule([x], draft_probs, target_probs, g)
+        counts[x if verdict.accepted else verdict.next_token] += 1
+    return torch.tensor(counts)
+
+
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_verify_sampling_first_token_follows_p(name):
+    """6 checks (one per pair) at DELTA = 1e-7 each, N = 20,000 rounds per pair."""
+    p, q = PAIRS[name]
+    counts = first_token_counts(verify_sampling, p, q, N_UNIT, seed=1)
+    assert_distribution(counts, p, f"verify_sampling, pair {name!r}")
+
+
+def _wrong_law(rule, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The exact law of the first token under a wrong rule."""
+    if rule is always_accept:
+        return q
+    beta = torch.minimum(p, q).sum()  # acceptance probability
+    return torch.minimum(p, q) + (1 - beta) * p
+
+
+@pytest.mark.parametrize("rule", [always_accept, resample_from_p], ids=lambda r: r.__name__)
+def test_wrong_rules_fail_the_same_check(rule):
+    """Power: a wrong rule fails the check on the first 3 pairs where its exact law is > 3 detection radii from p.
+
+    Those same samples must pass the check against the wrong rule's own exact law (3 checks per rule).
+    """
+    tested = 0
+    for name, (p, q) in PAIRS.items():
+        wrong = _wrong_law(rule, p, q)
+        if not bool(((wrong - p).abs() > 3 * detection_radius(p, N_UNIT)).any()):
+            continue  # e.g. p == q: the wrong rule is right there
+        if tested == 3:
+            break  # three pairs make the point; keep the file fast
+        tested += 1
+        counts = first_token_counts(rule, p, q, N_UNIT, seed=1)
+        assert not passes(counts, p), f"{rule.__name__} on pair {name!r} passed the check: the test has no power"
+        assert passes(counts, wrong), f"{rule.__name__} on pair {name!r}: harness does not produce the wrong law"
+    assert tested >= 3, f"{rule.__name__}: too few pairs far enough from p to show power ({tested})"
+
+
+def test_verify_sampling_multi_round_markov_chain():
+    """Speculative loop with k=3 on a Markov chain: the joint law of 3 emitted tokens is the target's.
+
+    Target p(.|prev) and draft q(.|prev) are random transition tables over V=4 tokens (q has zeros
+    where p has not and vice versa); each round drafts 3 tokens from q, calls `verify_sampling` with
+    the conditional rows, emits accepted + next token; this exercises rows i > 0, residuals at
+    i > 0 and bonus tokens. 4 checks (joint of 64 cells, 3 marginals) at DELTA = 1e-7, N = 8,000.
+    """
+    v, k, length, n = 4, 3, 3, 8_000
+    g = torch.Generator().manual_seed(7)
+    P = torch._standard_gamma(torch.full((v, v), 0.7, dtype=torch.float64), generator=g)
+    Q = torch._standard_gamma(torch.full((v, v), 0.7, dtype=torch.float64), generator=g)
+    P[0, 3] = 0
+    Q[1, 2] = Q[2, 0] = 0
+    P, Q = P / P.sum(-1, keepdim=True), Q / Q.sum(-1, keepdim=True)
+    start = 1
+    # draft tokens by inverse CDF on uniforms drawn up front (cheaper than a multinomial call each)
+    cdfs = Q.cumsum(-1).tolist()
+    last = [max(j for j in range(v) if Q[a, j] > 0) for a in range(v)]
+    uniforms = iter(torch.rand(n * length * k, generator=g, dtype=torch.float64).tolist())
+    seen = collections.Counter()
+    for _ in range(n):
+        out = [start]
+        while len(out) <= length:
+            drafts = []
+            for _ in range(k):
+                prev = drafts[-1] if drafts else out[-1]
+                drafts.append(min(bisect.bisect_right(cdfs[prev], next(uniforms)), last[prev]))
+            prevs = [out[-1]] + drafts
+            verdict = verify_sampling(drafts, Q[prevs[:k]], P[prevs], g)
+            out += drafts[: verdict.accepted] + [verdict.next_token]
+        seen[tuple(out[1 : length + 1])] += 1
+    counts = torch.zeros((v,) * length, dtype=torch.long)
+    for key, c in seen.items():
+        counts[key] = c
+    exact = P[start][:, None, None] * P[:, :, None] * P[None, :, :]  # p(t1) p(t2|t1) p(t3|t2)
+    assert_distribution(counts, exact, "Markov chain, joint of 3 tokens")
+    for i in range(length):
+        dims = tuple(d for d in range(length) if d != i)
+        assert_distribution(counts.sum(dims), exact.sum(dims), f"Markov chain, marginal of token {i + 1}")
+
+
+# -- 2. end to end on a tiny Llama --------------------------------------------------------------
+
+VOCAB = 16
+PROMPT = torch.tensor([[3, 1, 4, 1, 5, 9]])
+NEW = 4  # tokens per run: 1 from the prefill, then rounds that draft min(k, remaining - 1) tokens
+N_E2E = 1_000  # runs per case
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.2,  # peaked distributions, and a draft that is often but not always right
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        m = transformers.LlamaForCausalLM(cfg).to(torch.float64).eval()
+    m.generation_config.eos_token_id = m.generation_config.pad_token_id = None
+    return m
+
+
+def exact_joint(model, warpers: LogitsProcessorList, new: int) -> torch.Tensor:
+    """Exact joint law `[V]*new` of the first `new` sampled tokens, from full forward passes of the model."""
+    v = model.config.vocab_size
+    joint = torch.ones((), dtype=torch.float64)
+    with torch.no_grad():
+        for step in range(new):
+            # every continuation of the prompt by `step` tokens, as one batch
+            conts = torch.tensor(list(itertools.product(range(v), repeat=step)), dtype=torch.long)
+            conts = conts.reshape(v**step, step)
+            ids = torch.cat([PROMPT.expand(len(conts), -1), conts], dim=1)
+            logits = model(ids).logits[:, -1].double()  # [V^step, V]
+            probs = torch.softmax(warpers(ids, logits), dim=-1)
+            joint = joint[..., None] * probs.reshape((v,) * step + (v,))
+    return joint
+
+
+CASES = {
+    # name: (plan, sampling kwargs, the same processing as transformers' warpers)
+    "T=1, exit_layer=2, k=3": (
+        selfspec.DraftPlan(exit_layer=2, draft_length=3),
+        dict(temperature=1.0),
+        LogitsProcessorList([]),
+    ),
+    "T=0.7, top_k=6, layers=[0,2], k=4": (
+        selfspec.DraftPlan(layers=[0, 2], draft_length=4),
+        dict(temperature=0.7, top_k=6),
+        LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(6)]),
+    ),
+    "T=1.3, top_p=0.8, layers=[1,3], k=3": (
+        selfspec.DraftPlan(layers=[1, 3], draft_length=3),
+        dict(temperature=1.3, top_p=0.8),
+        LogitsProcessorList([TemperatureLogitsWarper(1.3), TopPLogitsWarper(0.8)]),
+    ),
+}
+
+
+def run_many(spec, n: int, seed: int, **sampling) -> tuple[torch.Tensor, dict]:
+    g = torch.Generator().manual_seed(seed)
+    seen = collections.Counter()
+    totals = dict(drafted=0, accepted=0, recovered=0, bonus=0)
+    for _ in range(n):
+        out = spec.generate(PROMPT, max_new_tokens=NEW, do_sample=True, generator=g, **sampling)
+        new = tuple(out[0, PROMPT.shape[1] :].tolist())
+        assert len(new) == NEW
+        seen[new] += 1
+        for key in totals:
+            totals[key] += getattr(spec.last_stats, key)
+    counts = torch.zeros((VOCAB,) * NEW, dtype=torch.long)
+    for new, c in seen.items():
+        counts[new] = c
+    return counts, totals
+
+
+def assert_joint_matches(counts: torch.Tensor, exact: torch.Tensor, what: str) -> None:
+    """8 checks: the joint of all 4 tokens, the 4 marginals, the 3 adjacent pairs."""
+    assert_distribution(counts, exact, f"{what}: joint of tokens 1-4")
+    for i in range(NEW):
+        dims = tuple(d for d in range(NEW) if d != i)
+        assert_distribution(counts.sum(dims), exact.sum(dims), f"{what}: marginal of new token {i + 1}")
+    for i in range(NEW - 1):
+        dims = tuple(d for d in range(NEW) if d not in (i, i + 1))
+        assert_distribution(counts.sum(dims), exact.sum(dims), f"{what}: joint of new tokens {i + 1},{i + 2}")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sampling_matches_exact_target_law(model, case):
+    """selfspec samples vs the exact law from full forwards: 8 checks at DELTA = 1e-7, N = 1,000 runs."""
+    plan, sampling, warpers = CASES[case]
+    exact = exact_joint(model, warpers, NEW)
+    spec = selfspec.wrap(model, plan=plan)
+    counts, totals = run_many(spec, N_E2E, seed=11, **sampling)
+    # the drafted/verified machinery was really exercised, on every path
+    assert totals["drafted"] > 0 and totals["accepted"] > 0, totals
+    assert totals["recovered"] > 0 and totals["bonus"] > 0, totals
+    assert totals["accepted"] < totals["drafted"], totals
+    assert_joint_matches(counts, exact, case)
+
+
+def test_end_to_end_check_has_power(model, monkeypatch):
+    """An engine that always accepts its draft must fail the same end-to-end check, even at N = 400 runs."""
+    plan, sampling, warpers = CASES["T=1, exit_layer=2, k=3"]
+    exact = exact_joint(model, warpers, NEW)
+    monkeypatch.setattr(selfspec.engine, "verify_sampling", always_accept)
+    counts, totals = run_many(selfspec.wrap(model, plan=plan), 400, seed=11, **sampling)
+    assert totals["accepted"] == totals["drafted"] > 0
+    with pytest.raises(AssertionError, match="differs from the exact one"):
+        assert_joint_matches(counts, exact, "always-accept engine")
+
+
+# -- 3. and 4. seeds and plans -------------------------------------------------------------------
+
+DRAFT_PLAN = selfspec.DraftPlan(exit_layer=1, draft_length=4)
+
+
+def test_seeded_generator_reproduces(model):
+    spec = selfspec.wrap(model, plan=DRAFT_PLAN)
+    kwargs = dict(max_new_tokens=30, do_sample=True, temperature=0.9, top_k=10)
+    torch.manual_seed(0)  # the global RNG must not matter when a generator is given
+    a = spec.generate(PROMPT, generator=torch.Generator().manual_seed(123), **kwargs)
+    stats_a = spec.last_stats
+    torch.manual_seed(1)
+    b = spec.generate(PROMPT, generator=torch.Generator().manual_seed(123), **kwargs)
+    assert a.shape == (1, PROMPT.shape[1] + 30)
+    assert torch.equal(a, b), f"{a.tolist()} != {b.tolist()}"
+    assert stats_a.drafted > 0 and stats_a.drafted == spec.last_stats.drafted
+    assert stats_a.accepted == spec.last_stats.accepted
+    c = spec.generate(PROMPT, generator=torch.Generator().manual_seed(124), **kwargs)
+    assert not torch.equal(a, c), "a different seed gave the same 30 tokens: is the generator used at all?"
+
+
+def test_global_seed_reproduces(model):
+    spec = selfspec.wrap(model, plan=DRAFT_PLAN)
+    kwargs = dict(max_new_tokens=30, do_sample=True, temperature=0.9, top_p=0.95)
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        outs.append(spec.generate(PROMPT, **kwargs))
+    assert outs[0].shape == (1, PROMPT.shape[1] + 30)
+    assert torch.equal(outs[0], outs[1]), f"{outs[0].tolist()} != {outs[1].tolist()}"
+    assert spec.last_stats.drafted > 0
+
+
+@pytest.mark.parametrize("plan", [selfspec.DraftPlan.plain(), DRAFT_PLAN], ids=["plain", "draft"])
+def test_plain_and_drafted_sampling_run(model, plan):
+    spec = selfspec.wrap(model, plan=plan)
+    generator = torch.Generator().manual_seed(3)  # the same seed for both plans
+    out = spec.generate(PROMPT, max_new_tokens=30, do_sample=True, temperature=0.8, generator=generator)
+    assert out.shape == (1, PROMPT.shape[1] + 30)
+    assert torch.equal(out[:, : PROMPT.shape[1]], PROMPT)
+    assert int(out.min()) >= 0 and int(out.max()) < VOCAB
+    stats = spec.last_stats
+    assert stats.new_tokens == 30
+    if plan.drafts:
+        assert stats.drafted > 0
+    else:
+        assert stats.drafted == 0 and stats.verify_passes == 30
