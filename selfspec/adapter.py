@@ -1,13 +1,31 @@
 """Per-architecture adapters: where a model's parts live and how a layer is called.
 
 An adapter is a small declarative TOML file in `adapters/` (shipped inside the
-wheel as `selfspec/adapters/`). This module reads those files, picks the one
-whose `model_types` contains the model's `config.model_type`, and binds it to a
-model as `ModelParts` (the embedding, the layer list, the final norm, the LM
-head and the rotary embedding, found by attribute path).
+wheel as `selfspec/adapters/`; `adapters/README.md` documents every key). This
+module reads those files, picks the one whose `model_types` contains the
+model's `config.model_type`, and binds it to a model as `ModelParts`: the
+modules found by attribute path, plus what the adapter says to read from the
+config (per-layer sliding windows and layer types, the final-logit soft cap).
 
-It does not know how to run a layer (see `layer_call.py`) nor what a plan
-means (see `plan.py`). It never modifies the model.
+Family quirks are named options of the adapter, each handled by one mechanism
+in `runner.py` or `layer_call.py`, never by a family name in the decode loop:
+
+- `modules.position_embed`: learned absolute positions added to the token
+  embeddings (GPT-2);
+- `call.layer_call`: the calling convention of a layer (`layer_call.py`);
+- `call.rotary_per_layer_type`: one rotary table per layer type (Gemma 3's
+  local and global RoPE);
+- `attention.sliding_window` / `attention.layer_types`: the config attributes
+  that give the window length and which layers use it;
+- `logits.softcap`: the config attribute holding the final-logit soft cap;
+- `requires`: config values the adapter was written for (anything else is
+  refused with a clear error rather than run wrongly).
+
+A model whose `model_type` has no adapter may still be run through the
+generic adapter of `generic.py`, but only after it passes a self-check.
+
+This module does not know how to run a layer (see `layer_call.py`) nor what a
+plan means (see `plan.py`). It never modifies the model.
 """
 
 from __future__ import annotations
@@ -28,6 +46,26 @@ ADDING_AN_ADAPTER = (
     "and point the module paths at the model's parts (see adapters/README.md)."
 )
 
+# Rotary types whose frequencies depend on the length of the current forward pass
+# (transformers' `dynamic_rope_update`): a precomputed table cannot reproduce them.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+# Attention implementations whose masks the runner builds (bool for sdpa, additive for eager).
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+_SECTIONS = {
+    "modules": {"embed", "layers", "norm", "lm_head", "rotary", "position_embed"},
+    "call": {"layer_call", "rotary_per_layer_type"},
+    "attention": {"sliding_window", "layer_types"},
+    "logits": {"softcap"},
+}
+_TOP_LEVEL = {"name", "model_types", "default_plan", "tuned_plans", "requires", *_SECTIONS}
+
+
+def text_config(config: Any) -> Any:
+    """The config of the text decoder: the config itself, or e.g. Gemma 3's `text_config`."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
 
 @dataclass(frozen=True)
 class Adapter:
@@ -39,8 +77,14 @@ class Adapter:
     layers: str
     norm: str
     lm_head: str
-    rotary: str | None
-    layer_call: str
+    rotary: str | None = None
+    position_embed: str | None = None
+    layer_call: str = "decoder_layer"
+    rotary_per_layer_type: bool = False
+    sliding_window_attr: str | None = None
+    layer_types_attr: str | None = None
+    softcap_attr: str | None = None
+    requires: tuple[tuple[str, Any], ...] = ()
     default_plan: dict[str, Any] = field(default_factory=dict)
     tuned_plans: tuple[dict[str, Any], ...] = ()
     source: str = ""
@@ -49,7 +93,17 @@ class Adapter:
     def from_toml(cls, path: Path) -> "Adapter":
         with open(path, "rb") as f:
             data = tomllib.load(f)
+        unknown = sorted(set(data) - _TOP_LEVEL) + sorted(
+            f"{section}.{key}"
+            for section, keys in _SECTIONS.items()
+            for key in data.get(section, {})
+            if key not in keys
+        )
+        if unknown:
+            raise ValueError(f"adapter file {path} has unknown key(s) {unknown}; see adapters/README.md")
         modules = data.get("modules", {})
+        call = data.get("call", {})
+        attention = data.get("attention", {})
         try:
             return cls(
                 name=data["name"],
@@ -59,7 +113,13 @@ class Adapter:
                 norm=modules["norm"],
                 lm_head=modules["lm_head"],
                 rotary=modules.get("rotary"),
-                layer_call=data.get("call", {}).get("layer_call", "decoder_layer"),
+                position_embed=modules.get("position_embed"),
+                layer_call=call.get("layer_call", "decoder_layer"),
+                rotary_per_layer_type=bool(call.get("rotary_per_layer_type", False)),
+                sliding_window_attr=attention.get("sliding_window"),
+                layer_types_attr=attention.get("layer_types"),
+                softcap_attr=data.get("logits", {}).get("softcap"),
+                requires=tuple(sorted(data.get("requires", {}).items())),
                 default_plan=data.get("default_plan", {}),
                 tuned_plans=tuple(data.get("tuned_plans", [])),
                 source=str(path),
@@ -68,7 +128,8 @@ class Adapter:
             raise ValueError(f"adapter file {path} lacks the required key {missing}") from None
 
     def bind(self, model: nn.Module) -> "ModelParts":
-        """Find this adapter's parts on `model`."""
+        """Find this adapter's parts on `model` and read the layout it declares from the config."""
+
         def get(path: str) -> Any:
             obj: Any = model
             for attr in path.split("."):
@@ -80,16 +141,71 @@ class Adapter:
                 obj = getattr(obj, attr)
             return obj
 
+        config = text_config(model.config)
+        self.check_config(config)
+        layers = get(self.layers)
+        num_layers = len(layers)
+        kinds = self._layer_types(config, num_layers)
+        softcap = getattr(config, self.softcap_attr, None) if self.softcap_attr else None
         return ModelParts(
             embed=get(self.embed),
-            layers=get(self.layers),
+            layers=layers,
             norm=get(self.norm),
             lm_head=get(self.lm_head),
             rotary=get(self.rotary) if self.rotary else None,
+            position_embed=get(self.position_embed) if self.position_embed else None,
+            rotary_kinds=tuple(kinds) if self.rotary_per_layer_type else (None,) * num_layers,
+            windows=tuple(self._windows(config, kinds, num_layers)),
+            logit_softcap=float(softcap) if softcap else None,
+            attn_implementation=getattr(config, "_attn_implementation", None) or "sdpa",
         )
+
+    def check_config(self, config: Any) -> None:
+        """Refuse configs this adapter cannot reproduce exactly, naming the value and what is supported."""
+        for key, wanted in self.requires:
+            value = getattr(config, key, None)
+            if value != wanted:
+                raise ValueError(
+                    f"adapter {self.name!r} supports {key}={wanted!r} only, but this model has {key}={value!r}"
+                )
+        attn = getattr(config, "_attn_implementation", None) or "sdpa"
+        if attn not in SUPPORTED_ATTENTION:
+            raise ValueError(
+                f"attention implementation {attn!r} is not supported by selfspec (valid: {', '.join(SUPPORTED_ATTENTION)}); "
+                f"load the model with attn_implementation='sdpa' (or 'eager' where sdpa is not supported)"
+            )
+        for rope_type in _rope_types(config):
+            if rope_type in LENGTH_DEPENDENT_ROPE:
+                raise ValueError(
+                    f"rope_type={rope_type!r} recomputes its frequencies from the length of every forward pass, "
+                    f"which selfspec's precomputed rotary table does not reproduce (unsupported: "
+                    f"{', '.join(LENGTH_DEPENDENT_ROPE)}; static types such as 'default', 'linear', 'llama3', 'yarn' work)"
+                )
+
+    def _layer_types(self, config: Any, num_layers: int) -> list[str | None]:
+        if self.layer_types_attr is None:
+            return [None] * num_layers
+        kinds = getattr(config, self.layer_types_attr, None)
+        if kinds is None:
+            return [None] * num_layers
+        if len(kinds) < num_layers:
+            raise ValueError(
+                f"config.{self.layer_types_attr} lists {len(kinds)} layer types for {num_layers} layers"
+            )
+        return list(kinds[:num_layers])
+
+    def _windows(self, config: Any, kinds: list[str | None], num_layers: int) -> list[int | None]:
+        """Per layer: the sliding-window length (a key is visible iff query - key < window), or None."""
+        window = getattr(config, self.sliding_window_attr, None) if self.sliding_window_attr else None
+        if window is None:
+            return [None] * num_layers
+        if all(kind is None for kind in kinds):
+            return [int(window)] * num_layers  # one window for every layer (Mistral, Phi-3)
+        return [int(window) if kind == "sliding_attention" else None for kind in kinds]
 
     def plan_for(self, config: Any) -> DraftPlan:
         """The tuned plan whose `match` fits `config`, else the default rule."""
+        config = text_config(config)
         num_layers = config.num_hidden_layers
         for tuned in self.tuned_plans:
             match = tuned.get("match", {})
@@ -102,15 +218,30 @@ class Adapter:
         return DraftPlan(exit_layer=exit_layer, name=f"{self.name}-default", **rule)
 
 
+def _rope_types(config: Any) -> list[str]:
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict):
+        return []
+    if "rope_type" in params:
+        return [params["rope_type"]]
+    # One set of parameters per layer type (Gemma 3).
+    return [p["rope_type"] for p in params.values() if isinstance(p, dict) and "rope_type" in p]
+
+
 @dataclass(frozen=True)
 class ModelParts:
-    """The modules of one model that the engine calls, found through an adapter."""
+    """The modules of one model that the engine calls, and its attention layout, found through an adapter."""
 
     embed: nn.Module
     layers: nn.ModuleList
     norm: nn.Module
     lm_head: nn.Module
     rotary: nn.Module | None
+    position_embed: nn.Module | None = None  # learned absolute positions, added to the token embeddings
+    rotary_kinds: tuple[str | None, ...] = ()  # per layer: the layer type passed to the rotary module, or None
+    windows: tuple[int | None, ...] = ()  # per layer: sliding-window length, or None for global attention
+    logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    attn_implementation: str = "sdpa"
 
     @property
     def num_layers(self) -> int:
@@ -141,14 +272,28 @@ def supported_model_types() -> list[str]:
     return sorted(t for a in all_adapters() for t in a.model_types)
 
 
+def unsupported_message(model: nn.Module, reason: str = "") -> str:
+    """The error for a model no adapter fits: its type, the supported types, and how to add one."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    because = f" {reason}" if reason else ""
+    return (
+        f"unsupported architecture: model_type={model_type!r} ({type(model).__name__}) has no selfspec adapter.{because} "
+        f"Supported model types: {', '.join(supported_model_types())}. {ADDING_AN_ADAPTER}"
+    )
+
+
 def adapter_for(model: nn.Module) -> Adapter:
-    """The adapter for `model`'s architecture, or a ValueError that says how to add one."""
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
+    """The adapter for `model`'s architecture.
+
+    A `model_type` without an adapter gets the generic decoder adapter only when
+    the model has the common layout and passes the generic self-check (with a
+    warning saying so); otherwise a ValueError lists the supported types and
+    says how to add one.
+    """
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
     for adapter in all_adapters():
         if model_type in adapter.model_types:
             return adapter
-    raise ValueError(
-        f"unsupported architecture: model_type={model_type!r} ({type(model).__name__}) has no selfspec adapter. "
-        f"Supported model types: {', '.join(supported_model_types())}. {ADDING_AN_ADAPTER}"
-    )
+    from .generic import checked_generic_adapter  # generic.py runs the engine's runner, which imports this module
+
+    return checked_generic_adapter(model)

@@ -14,7 +14,7 @@ import torch
 
 
 def decoder_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, position_ids, cache) -> torch.Tensor:
-    """transformers 5.x decoder layers of the Llama kind (Llama, Mistral, Qwen, ...)."""
+    """transformers 5.x decoder layers of the Llama kind (Llama, Mistral, Qwen, Gemma, Phi-3, OLMo 2, ...)."""
     out = layer(
         hidden,
         attention_mask=mask,
@@ -26,8 +26,19 @@ def decoder_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, pos
     return out[0] if isinstance(out, tuple) else out
 
 
+def gpt2_block(layer, hidden: torch.Tensor, *, mask, position_embeddings, position_ids, cache) -> torch.Tensor:
+    """GPT-2 blocks: positions were added to the embeddings, so the block takes no rotary or position ids.
+
+    The block's attention writes the shared cache with `cache.update(key, value, layer_idx)`
+    (a plain cache, not an `EncoderDecoderCache`: GPT-2 adapters require `add_cross_attention=false`).
+    """
+    out = layer(hidden, cache=cache, attention_mask=mask, use_cache=True)
+    return out[0] if isinstance(out, tuple) else out
+
+
 LAYER_CALLS: dict[str, Callable[..., torch.Tensor]] = {
     "decoder_layer": decoder_layer,
+    "gpt2_block": gpt2_block,
 }
 
 

@@ -1,10 +1,21 @@
 """Run any subset of the target's layers on a few tokens, over the shared cache.
 
 `LayerRunner` is the one place that calls the model's modules. It owns the
-generation's `SharedKVCache`, a table of rotary position embeddings, and the
+generation's `SharedKVCache`, the tables of rotary position embeddings, and the
 attention masks. The draft and the verify pass both go through it: the draft
 with the plan's layers, the verify pass with the full stack (or the part of it
 after the plan's exact prefix).
+
+The per-family mechanisms it applies, each as the adapter's `ModelParts` says:
+
+- rotary tables: one for the model, or one per layer type (Gemma 3's local
+  and global RoPE), computed once for every position;
+- learned absolute positions (GPT-2): `embed` cannot know where its tokens
+  will sit, so it returns the token embeddings and `run` adds the position
+  embeddings when it first receives that tensor, at the `start` it is given;
+- masks: causal, with a per-layer sliding window (key visible iff
+  query - key < window, transformers' rule), bool for sdpa, additive for eager;
+- final-logit soft-capping (Gemma 2): cap * tanh(logits / cap).
 
 It knows positions, masks and layer calling conventions (`layer_call.py`);
 it does not know plans, acceptance or sampling.
@@ -21,24 +32,33 @@ from .layer_call import layer_call
 
 class LayerRunner:
     def __init__(self, parts: ModelParts, adapter: Adapter, config, *, capacity: int, device: torch.device):
+        # `config` is accepted for the engine's call; the layout was read from it by `adapter.bind`.
         self.parts = parts
         self.cache = SharedKVCache(parts.num_layers, capacity)
         self.call = layer_call(adapter.layer_call)
         self.dtype = parts.dtype
-        self.bool_masks = getattr(config, "_attn_implementation", "sdpa") == "sdpa"
-        self.windows = _sliding_windows(config, parts.num_layers)
+        self.bool_masks = parts.attn_implementation == "sdpa"
+        self.windows = list(parts.windows) or [None] * parts.num_layers
+        self.rotary_kinds = list(parts.rotary_kinds) or [None] * parts.num_layers
         self.positions = torch.arange(capacity, device=device)[None]  # [1, capacity]
-        self.rotary = None
+        # Rotary embeddings are elementwise in the position (length-dependent rope types
+        # are refused by the adapter), so one table per layer type, computed up front,
+        # equals what each forward pass would compute.
+        self.rotary: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         if parts.rotary is not None:
             probe = torch.zeros(1, 1, 1, dtype=self.dtype, device=device)
-            # Rotary embeddings are elementwise in the position, so one table
-            # computed up front equals what each forward pass would compute.
-            self.rotary = parts.rotary(probe, position_ids=self.positions)  # (cos, sin) [1, capacity, rot_dim]
+            for kind in dict.fromkeys(self.rotary_kinds):
+                extra = {} if kind is None else {"layer_type": kind}
+                self.rotary[kind] = parts.rotary(probe, position_ids=self.positions, **extra)  # (cos, sin) [1, capacity, rot_dim]
+        self._unplaced: torch.Tensor | None = None  # token embeddings still waiting for their position embeddings
 
     def embed(self, token_ids: list[int]) -> torch.Tensor:
-        """`[1, q, hidden]` input embeddings of `token_ids`."""
+        """`[1, q, hidden]` input embeddings of `token_ids` (learned positions are added by `run`)."""
         ids = torch.tensor([token_ids], device=self.positions.device)
-        return self.parts.embed(ids)
+        hidden = self.parts.embed(ids)
+        if self.parts.position_embed is not None:
+            self._unplaced = hidden
+        return hidden
 
     def run(self, hidden: torch.Tensor, layers, start: int) -> torch.Tensor:
         """Run `layers` in order on `hidden` `[1, q, hidden]` at positions start..start+q-1.
@@ -47,7 +67,10 @@ class LayerRunner:
         """
         q = hidden.shape[1]
         position_ids = self.positions[:, start : start + q]  # [1, q]
-        rotary = None if self.rotary is None else tuple(t[:, start : start + q] for t in self.rotary)
+        if hidden is self._unplaced:
+            hidden = hidden + self.parts.position_embed(position_ids)  # learned absolute positions (GPT-2)
+            self._unplaced = None
+        rotary = {kind: tuple(t[:, start : start + q] for t in table) for kind, table in self.rotary.items()}
         masks: dict[int | None, torch.Tensor | None] = {}
         for i in layers:
             if self.cache.lengths[i] != start:
@@ -61,7 +84,7 @@ class LayerRunner:
                 self.parts.layers[i],
                 hidden,
                 mask=masks[window],
-                position_embeddings=rotary,
+                position_embeddings=rotary.get(self.rotary_kinds[i]),
                 position_ids=position_ids,
                 cache=self.cache,
             )
@@ -69,7 +92,11 @@ class LayerRunner:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[q, vocab]` float32 logits from the last hidden states `[1, q, hidden]`."""
-        return self.parts.lm_head(self.parts.norm(hidden))[0].float()
+        logits = self.parts.lm_head(self.parts.norm(hidden))[0]
+        cap = self.parts.logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap  # in the model's dtype, as the model's own forward does
+        return logits.float()
 
     def mask(self, q: int, start: int, window: int | None) -> torch.Tensor | None:
         """Attention mask for q queries at start.. over start + q keys; None when nothing is hidden."""
@@ -85,14 +112,3 @@ class LayerRunner:
             return allowed[None, None]
         additive = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
         return additive.masked_fill(~allowed, torch.finfo(self.dtype).min)[None, None]
-
-
-def _sliding_windows(config, num_layers: int) -> list[int | None]:
-    """Per layer: the sliding-window length, or None for global attention."""
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if window is None:
-        return [None] * num_layers
-    if layer_types is None:
-        return [window] * num_layers
-    return [window if kind == "sliding_attention" else None for kind in layer_types]

@@ -3,7 +3,15 @@
 `TINY_CONFIGS` is the one list the shared tests run over: adding an
 architecture to selfspec means adding its adapter file and a line here.
 Weights are random but seeded, with a larger init scale than the default so
-logits are well separated and greedy choices are not numerical near-ties.
+logits are well separated and greedy choices are not numerical near-ties;
+biases and norm weights (zero or one at init) get seeded noise so that Qwen's
+attention biases and every norm actually matter.
+
+Each model uses the attention implementation transformers picks for it (sdpa,
+or eager for Gemma 2, whose attention soft-capping sdpa cannot do).
+Families with sliding-window attention get a window of `WINDOW` tokens, which
+the longer tests cross; `tiny_model(name, window=8)` builds the same model with
+a short window, for prompts longer than the window.
 """
 
 from __future__ import annotations
@@ -23,21 +31,82 @@ COMMON = dict(
     max_position_embeddings=256,
     initializer_range=0.3,
 )
+WINDOW = 48  # longer than the cache test's sequences, shorter than the longest greedy tests
+GEMMA = dict(head_dim=8, query_pre_attn_scalar=8, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
-# name -> (config class, model class, config overrides)
+# name -> (config class, model class, config overrides); "sliding_window" in the
+# overrides marks a family with windowed attention. For "gemma3" the overrides
+# describe the text config of a multimodal checkpoint.
 TINY_CONFIGS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=WINDOW)),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2, tie_word_embeddings=True),
+    ),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=8, attention_bias=True, tie_word_embeddings=True)),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(GEMMA, sliding_window=WINDOW, attn_logit_softcapping=20.0, final_logit_softcapping=15.0),
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(GEMMA, sliding_window=WINDOW, sliding_window_pattern=3, final_logit_softcapping=15.0),
+    ),
+    "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(GEMMA, sliding_window=WINDOW, sliding_window_pattern=3)),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            sliding_window=WINDOW,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+        ),
+    ),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_inner=64, bos_token_id=1, eos_token_id=2)),
 }
+
+# A tiny SigLIP tower, only so that a multimodal Gemma 3 checkpoint can be built; text prompts never use it.
+GEMMA3_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+
+
+def has_window(name: str) -> bool:
+    return "sliding_window" in TINY_CONFIGS[name][2]
+
+
+def build_config(name: str, window: int | None = None):
+    config_cls, _, overrides = TINY_CONFIGS[name]
+    fields = {**COMMON, **overrides}
+    if window is not None:
+        if not has_window(name):
+            raise ValueError(f"{name} has no sliding-window attention")
+        fields["sliding_window"] = window
+    if name == "gemma3":
+        return transformers.Gemma3Config(
+            text_config=fields, vision_config=GEMMA3_VISION, mm_tokens_per_image=4, image_token_id=10**6
+        )
+    return getattr(transformers, config_cls)(**fields)
 
 
 @functools.cache
-def tiny_model(name: str, dtype: torch.dtype = torch.float64, seed: int = 0):
-    config_cls, model_cls, overrides = TINY_CONFIGS[name]
-    config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
-    config._attn_implementation = "sdpa"
+def tiny_model(name: str, dtype: torch.dtype = torch.float64, seed: int = 0, window: int | None = None):
+    _, model_cls, _ = TINY_CONFIGS[name]
+    config = build_config(name, window)
     torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(config).to(dtype).eval()
+    model = getattr(transformers, model_cls)(config)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("bias") or "norm" in param_name or ".ln_" in param_name:
+                param.add_(0.1 * torch.randn_like(param))
+    model = model.to(dtype).eval()
     model.generation_config.pad_token_id = model.generation_config.eos_token_id = None
+    model.generation_config.bos_token_id = None
     return model
 
 
