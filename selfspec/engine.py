@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .adapter import Adapter, ModelParts, adapter_for
-from .draft import AdaptiveThreshold, Draft, Drafter
+from .draft import AdaptivePolicy, Draft, Drafter
 from .hf_generation import GenerationSettings, resolve_settings
 from .plan import DraftPlan
 from .runner import LayerRunner
@@ -120,17 +120,16 @@ class SelfSpecModel:
         self, prompt: list[int], settings: GenerationSettings, streamer, generator
     ) -> tuple[list[int], GenerationStats]:
         num_layers = self.parts.num_layers
-        k = self.plan.draft_length
         runner = LayerRunner(
             self.parts,
             self.adapter,
             self.model.config,
-            capacity=len(prompt) + settings.max_new_tokens + k + 1,
+            capacity=len(prompt) + settings.max_new_tokens + self.plan.draft_length + 1,
             device=self.parts.lm_head.weight.device,
         )
         scorer = Scorer(settings, generator)
         out = Output(prompt, settings, streamer)
-        policy = AdaptiveThreshold(self.plan)
+        policy = AdaptivePolicy(self.plan)
         stats = GenerationStats(plan=self.describe_plan())
         clock = Clock(runner.positions.device)
 
@@ -143,10 +142,10 @@ class SelfSpecModel:
 
         while not out.done:
             start = len(out.tokens) - 1  # position of the last emitted token, not in the cache yet
-            budget = min(k, out.remaining - 1)
+            budget = min(policy.budget(), out.remaining - 1)
             # 1. draft
             draft = self.drafter.propose(runner, scorer, out.tokens, budget, policy.threshold)
-            stats.draft_seconds += clock.lap()
+            draft_seconds = clock.lap()
             # 2. verify: one pass of the target over the last token and the draft
             logits = self._verify(runner, out.tokens[-1], draft, start)  # [k+1, vocab]
             scores = scorer.scores(logits, out.tokens + draft.tokens, len(out.tokens))
@@ -157,12 +156,14 @@ class SelfSpecModel:
                 verdict = verify_greedy(draft.tokens, scores)
             # 4. roll back: keep the entries of the last token and of the accepted drafted tokens
             runner.cache.crop(start + 1 + verdict.accepted)
-            stats.verify_seconds += clock.lap()
+            verify_seconds = clock.lap()
             # 5. emit (stops at EOS, a stopping criterion or max_new_tokens)
             out.emit(draft.tokens[: verdict.accepted] + [verdict.next_token])
             # 6. record
-            stats.record_round(drafted=len(draft.tokens), accepted=verdict.accepted)
-            policy.update(drafted=len(draft.tokens), accepted=verdict.accepted)
+            measured = dict(drafted=len(draft.tokens), accepted=verdict.accepted,
+                            draft_seconds=draft_seconds, verify_seconds=verify_seconds)
+            stats.record_round(**measured)
+            policy.update(**measured)
 
         stats.new_tokens = len(out.tokens) - len(prompt)
         stats.total_seconds = clock.total()

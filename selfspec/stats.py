@@ -23,6 +23,7 @@ class GenerationStats:
     accepted: int = 0
     recovered: int = 0
     bonus: int = 0
+    rounds_without_draft: int = 0  # plain steps: drafting off, paused, or no budget left
     accepted_lengths: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
@@ -45,8 +46,11 @@ class GenerationStats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.total_seconds if self.total_seconds else 0.0
 
-    def record_round(self, *, drafted: int, accepted: int) -> None:
+    def record_round(self, *, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         self.rounds += 1
+        self.draft_seconds += draft_seconds
+        self.verify_seconds += verify_seconds
+        self.rounds_without_draft += drafted == 0
         self.verify_passes += 1
         self.drafted += drafted
         self.accepted += accepted
@@ -71,7 +75,8 @@ class GenerationStats:
         lines = [
             f"plan: {self.plan}",
             f"new tokens {self.new_tokens} in {self.total_seconds:.2f} s ({self.tokens_per_second:.1f} tok/s)",
-            f"verify passes {self.verify_passes} (rounds {self.rounds} + prefill), "
+            f"verify passes {self.verify_passes} (rounds {self.rounds} + prefill; "
+            f"{self.rounds_without_draft} rounds without a draft), "
             f"tokens per pass {self.tokens_per_pass:.2f}",
             f"drafted {self.drafted}, accepted {self.accepted}, acceptance rate {self.acceptance_rate:.1%}",
             f"accepted length histogram: {self.accepted_lengths}",
