@@ -8,7 +8,10 @@ computes), so the verify pass can resume at layer s instead of starting over.
 `AdaptiveThreshold` is the runtime state of an adaptive draft-length policy;
 the plan holds only its starting values.
 
-This module does not verify, accept or roll back; see `engine.py`.
+`Drafter.verify_pass` runs the target over the last token and the draft,
+reusing what the draft computed exactly; it returns logits and decides
+nothing. Acceptance (`verify.py`) and the final rollback (`engine.py`) are
+elsewhere.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ class Drafter:
         boundary: list[torch.Tensor] = []
         token = tokens[-1]
         for i in range(budget):
-            hidden = runner.run(runner.embed([token]), self.prefix_layers, start + i)  # [1, 1, hidden]
+            hidden = runner.run(runner.embed([token], start + i), self.prefix_layers, start + i)  # [1, 1, hidden]
             boundary.append(hidden)
             hidden = runner.run(hidden, self.other_layers, start + i)
             scores = scorer.scores(runner.logits(hidden), tokens + drafted, len(tokens) + i)  # [1, vocab]
@@ -57,6 +60,21 @@ class Drafter:
             if confidence is not None and threshold is not None and confidence < threshold:
                 break  # keep this token (already paid for), draft no further
         return Draft(drafted, torch.stack(probs) if probs else None, boundary)
+
+
+    def verify_pass(self, runner: LayerRunner, last_token: int, draft: Draft, start: int) -> torch.Tensor:
+        """Target logits `[k+1, vocab]` for the last emitted token (at `start`) and the k drafted tokens."""
+        num_layers = runner.parts.num_layers
+        k = len(draft.tokens)
+        s = self.exact_prefix if k else 0
+        if s:
+            # The exact prefix already ran for x, d_1..d_{k-1}; only d_k still needs it.
+            tail = runner.run(runner.embed(draft.tokens[-1:], start + k), range(s), start + k)  # [1, 1, hidden]
+            hidden = torch.cat([*draft.boundary, tail], dim=1)  # [1, k+1, hidden]
+        else:
+            hidden = runner.embed([last_token] + draft.tokens, start)  # [1, k+1, hidden]
+        runner.cache.crop(start, layers=range(s, num_layers))  # drop the draft's inexact entries
+        return runner.logits(runner.run(hidden, range(s, num_layers), start))
 
 
 class AdaptivePolicy:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .adapter import Adapter, ModelParts, adapter_for
+from .adapter import Adapter, ModelParts, adapter_for, text_config
 from .draft import AdaptivePolicy, Draft, Drafter
 from .hf_generation import GenerationSettings, resolve_settings
 from .plan import DraftPlan
@@ -134,7 +134,7 @@ class SelfSpecModel:
         clock = Clock(runner.positions.device)
 
         # Prefill: the prompt through every layer; its last row gives the first new token.
-        hidden = runner.run(runner.embed(prompt), range(num_layers), 0)
+        hidden = runner.run(runner.embed(prompt, 0), range(num_layers), 0)
         first_scores = scorer.scores(runner.logits(hidden[:, -1:]), out.tokens, len(out.tokens))
         out.emit([scorer.target_choice(first_scores)])
         stats.verify_passes += 1
@@ -147,7 +147,7 @@ class SelfSpecModel:
             draft = self.drafter.propose(runner, scorer, out.tokens, budget, policy.threshold)
             draft_seconds = clock.lap()
             # 2. verify: one pass of the target over the last token and the draft
-            logits = self._verify(runner, out.tokens[-1], draft, start)  # [k+1, vocab]
+            logits = self.drafter.verify_pass(runner, out.tokens[-1], draft, start)  # [k+1, vocab]
             scores = scorer.scores(logits, out.tokens + draft.tokens, len(out.tokens))
             # 3. accept
             if settings.do_sample:
@@ -170,20 +170,6 @@ class SelfSpecModel:
         stats.final_threshold = policy.threshold
         return out.tokens, stats
 
-    def _verify(self, runner: LayerRunner, last_token: int, draft: Draft, start: int) -> torch.Tensor:
-        """Target logits `[k+1, vocab]` for the last emitted token and the k drafted tokens."""
-        num_layers = self.parts.num_layers
-        k = len(draft.tokens)
-        s = self.drafter.exact_prefix if k else 0
-        if s:
-            # The exact prefix already ran for x, d_1..d_{k-1}; only d_k still needs it.
-            tail = runner.run(runner.embed(draft.tokens[-1:]), range(s), start + k)  # [1, 1, hidden]
-            hidden = torch.cat([*draft.boundary, tail], dim=1)  # [1, k+1, hidden]
-        else:
-            hidden = runner.embed([last_token] + draft.tokens)  # [1, k+1, hidden]
-        runner.cache.crop(start, layers=range(s, num_layers))  # drop the draft's inexact entries
-        return runner.logits(runner.run(hidden, range(s, num_layers), start))
-
     def _check_prompt(self, input_ids, attention_mask) -> list[int]:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError("input_ids must be a [batch, length] tensor of token ids")
@@ -197,7 +183,7 @@ class SelfSpecModel:
         return input_ids[0].tolist()
 
     def _check_context(self, prompt_length: int, max_new_tokens: int) -> None:
-        context = getattr(self.model.config, "max_position_embeddings", None)
+        context = getattr(text_config(self.model.config), "max_position_embeddings", None)
         if context is None:
             return
         if prompt_length > context:

@@ -49,15 +49,15 @@ class LayerRunner:
             probe = torch.zeros(1, 1, 1, dtype=self.dtype, device=device)
             for kind in dict.fromkeys(self.rotary_kinds):
                 extra = {} if kind is None else {"layer_type": kind}
-                self.rotary[kind] = parts.rotary(probe, position_ids=self.positions, **extra)  # (cos, sin) [1, capacity, rot_dim]
-        self._unplaced: torch.Tensor | None = None  # token embeddings still waiting for their position embeddings
+                # (cos, sin), each [1, capacity, rot_dim]
+                self.rotary[kind] = parts.rotary(probe, position_ids=self.positions, **extra)
 
-    def embed(self, token_ids: list[int]) -> torch.Tensor:
-        """`[1, q, hidden]` input embeddings of `token_ids` (learned positions are added by `run`)."""
+    def embed(self, token_ids: list[int], start: int) -> torch.Tensor:
+        """`[1, q, hidden]` input embeddings of `token_ids` at positions start..start+q-1."""
         ids = torch.tensor([token_ids], device=self.positions.device)
         hidden = self.parts.embed(ids)
-        if self.parts.position_embed is not None:
-            self._unplaced = hidden
+        if self.parts.position_embed is not None:  # learned absolute positions (GPT-2)
+            hidden = hidden + self.parts.position_embed(self.positions[:, start : start + len(token_ids)])
         return hidden
 
     def run(self, hidden: torch.Tensor, layers, start: int) -> torch.Tensor:
@@ -67,9 +67,6 @@ class LayerRunner:
         """
         q = hidden.shape[1]
         position_ids = self.positions[:, start : start + q]  # [1, q]
-        if hidden is self._unplaced:
-            hidden = hidden + self.parts.position_embed(position_ids)  # learned absolute positions (GPT-2)
-            self._unplaced = None
         rotary = {kind: tuple(t[:, start : start + q] for t in table) for kind, table in self.rotary.items()}
         masks: dict[int | None, torch.Tensor | None] = {}
         for i in layers:

@@ -48,6 +48,8 @@ def test_cache_after_every_round_equals_plain_decoding(arch, plan, monkeypatch):
     reference = model(out, use_cache=True).cache
     rounds = snapshots[1:]  # the first snapshot is the prefill
     assert len(rounds) > 3
+    # Eager attention takes its softmax in float32 even in a float64 model: plain decoding itself differs by ~1e-6.
+    tol = 1e-9 if model.config._attn_implementation == "sdpa" else 1e-5
     for n_tokens, lengths, entries in rounds:
         if n_tokens == out.shape[1]:
             continue  # the last round may stop on max_new_tokens with drafted entries still in place
@@ -55,8 +57,8 @@ def test_cache_after_every_round_equals_plain_decoding(arch, plan, monkeypatch):
         for layer, (keys, values) in enumerate(entries):
             ref_keys = reference.layers[layer].keys[:, :, : n_tokens - 1]
             ref_values = reference.layers[layer].values[:, :, : n_tokens - 1]
-            torch.testing.assert_close(keys, ref_keys, rtol=1e-9, atol=1e-9)
-            torch.testing.assert_close(values, ref_values, rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(keys, ref_keys, rtol=tol, atol=tol)
+            torch.testing.assert_close(values, ref_values, rtol=tol, atol=tol)
 
 
 def model_fingerprint(model):

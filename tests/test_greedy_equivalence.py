@@ -46,11 +46,11 @@ def assert_same(out: torch.Tensor, ref: torch.Tensor, plan) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("arch", ARCHS)
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_greedy_matches_generate(arch, dtype, data):
     model = tiny_model(arch, dtype)
-    num_layers = model.config.num_hidden_layers
+    num_layers = model.config.get_text_config().num_hidden_layers
     plan = data.draw(plans(num_layers), label="plan")
     prompt = random_prompt(data.draw(st.integers(1, 24), label="prompt length"), seed=data.draw(st.integers(0, 999)))
     max_new = data.draw(st.integers(1, 40), label="max_new_tokens")

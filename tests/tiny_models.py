@@ -56,7 +56,11 @@ TINY_CONFIGS = {
         "Gemma3ForCausalLM",
         dict(GEMMA, sliding_window=WINDOW, sliding_window_pattern=3, final_logit_softcapping=15.0),
     ),
-    "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(GEMMA, sliding_window=WINDOW, sliding_window_pattern=3)),
+    "gemma3": (
+        "Gemma3Config",
+        "Gemma3ForConditionalGeneration",
+        dict(GEMMA, sliding_window=WINDOW, sliding_window_pattern=3),
+    ),
     "phi3": (
         "Phi3Config",
         "Phi3ForCausalLM",
@@ -73,7 +77,9 @@ TINY_CONFIGS = {
 }
 
 # A tiny SigLIP tower, only so that a multimodal Gemma 3 checkpoint can be built; text prompts never use it.
-GEMMA3_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+GEMMA3_VISION = dict(
+    hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+)
 
 
 def has_window(name: str) -> bool:
