@@ -1,0 +1,192 @@
+"""`selfspec tune MODEL`: search a fast draft plan for a model and write it as a plan JSON.
+
+    selfspec tune smollm2-135m-instruct --dtype bfloat16 --threads 1 --out plan.json
+    selfspec generate --model smollm2-135m-instruct --dtype bfloat16 --plan plan.json "Hello"
+
+`add_tune_arguments(parser)` declares the options and `run_tune(args)` runs the
+search (`selfspec.tuning.tune`), prints the tables and writes three files: the
+plan (`--out`), a report with every candidate, the cost model, the Pareto
+front and the timed runs (`<out>.tune.json`), and the acceptance-versus-cost
+plot (`<out>.front.png`, when matplotlib is installed). This module parses and
+prints; it does no tuning of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+SPEC_BENCH = "spec_bench_questions.jsonl"
+
+
+def add_tune_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("model", help="known model name (e.g. smollm2-135m-instruct) or a local model folder")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"],
+                        help="tune for this dtype; costs differ by dtype, so tune for the one you run "
+                             "(default: float32)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice; on a busy shared machine 1 is often fastest)")
+    parser.add_argument("--prompts", type=int, default=10, metavar="N", help="calibration prompts (default: 10)")
+    parser.add_argument("--heldout", type=int, default=5, metavar="M",
+                        help="further prompts for the timed confirmation (default: 5)")
+    parser.add_argument("--data", metavar="FILE",
+                        help="prompts: a .jsonl (Spec-Bench rows, or a prompt/text field), a .json list or a text "
+                             "file with one prompt a line; 'spec-bench' finds the Spec-Bench questions "
+                             "($SELFSPEC_SPEC_BENCH or ../shared/data/). Default: the built-in chat prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per prompt (default: 48)")
+    parser.add_argument("--budget", type=int, default=200, help="layer sets the proxy scores (default: 200)")
+    parser.add_argument("--optimizer", default="greedy", choices=["greedy", "random", "optuna"],
+                        help="greedy layer dropping + local moves (default), random search, or optuna (needs optuna)")
+    parser.add_argument("--optuna-sampler", default="tpe", choices=["tpe", "nsga2"],
+                        help="with --optimizer optuna: TPE on proxy speedup, or NSGA-II on (acceptance, draft cost)")
+    parser.add_argument("--search-proxy", default="target", choices=["target", "rounds"],
+                        help="proxy for the search: round starts only (fast, exact for k=1; default) or the exact "
+                             "replay of the engine's rounds (slower)")
+    parser.add_argument("--rescore", type=int, default=24, metavar="N",
+                        help="re-score the N best layer sets and the Pareto front with the exact proxy (default: 24)")
+    parser.add_argument("--confirm", type=int, default=3, metavar="N",
+                        help="time the N best plans by proxy against plain decoding (default: 3)")
+    parser.add_argument("--confirm-repeats", type=int, default=1, help="timed passes over the held-out prompts")
+    parser.add_argument("--proxy-check", type=int, default=6, metavar="N",
+                        help="also run N plans for real on calibration prompts to measure the proxy's error (0: skip)")
+    parser.add_argument("--proxy-check-prompts", type=int, default=4)
+    parser.add_argument("--max-draft-length", type=int, default=8, help="longest draft considered (default: 8)")
+    parser.add_argument("--skip-ends", action="store_true",
+                        help="let layer-skip plans drop the first and last layer too (default: keep them)")
+    parser.add_argument("--no-default", action="store_true", help="do not time the adapter's current plan")
+    parser.add_argument("--out", help="plan JSON path (default: <model>-<dtype>-plan.json)")
+    parser.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quiet", action="store_true", help="no progress bars or messages on stderr")
+    return parser
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    import torch
+
+    import selfspec
+    from selfspec.tuning import adapter_entry, builtin_prompts, encode_prompts, read_prompts, tune
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for option in ("prompts", "max_new_tokens", "budget"):
+        if getattr(args, option) < 1:
+            raise ValueError(f"--{option.replace('_', '-')}={getattr(args, option)} out of range (valid: >= 1)")
+    progress = not args.quiet
+    began = time.perf_counter()
+    model, tokenizer = selfspec.load(args.model, dtype=args.dtype, device=args.device, progress=progress)
+
+    texts = read_prompts(_data_path(args.data), seed=args.seed) if args.data else builtin_prompts(seed=args.seed)
+    wanted = args.prompts + args.heldout
+    if len(texts) < wanted:
+        _say(progress, f"only {len(texts)} prompts for {args.prompts} calibration + {args.heldout} held-out; "
+                       f"the confirmation reuses calibration prompts")
+    ids = encode_prompts(tokenizer, texts[:wanted])
+    calibration, heldout = ids[: args.prompts], ids[args.prompts : wanted] or ids[: args.prompts]
+
+    name = f"{Path(str(args.model)).name}-{args.dtype}-tuned"
+    result = tune(
+        model,
+        prompts=calibration,
+        heldout=heldout,
+        max_new_tokens=args.max_new_tokens,
+        budget=args.budget,
+        optimizer=args.optimizer,
+        optuna_sampler=args.optuna_sampler,
+        search_proxy=args.search_proxy,
+        rescore=args.rescore,
+        confirm=args.confirm,
+        confirm_repeats=args.confirm_repeats,
+        proxy_check=args.proxy_check,
+        proxy_check_prompts=args.proxy_check_prompts,
+        max_draft_length=args.max_draft_length,
+        keep_ends=not args.skip_ends,
+        seed=args.seed,
+        name=name,
+        include_default=not args.no_default,
+        progress=progress,
+    )
+    seconds = time.perf_counter() - began
+    command = format_command(args)
+    result.settings.update(command=command, model=str(args.model), seconds=seconds)
+
+    out = Path(args.out or f"{Path(str(args.model)).name}-{args.dtype}-plan.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result.best_plan.save(out)
+    report = out.with_suffix(".tune.json")
+    result.save(report)
+    plot = None
+    if not args.no_plot:
+        plot = out.with_suffix(".front.png")
+        if not result.plot(plot, title=f"{args.model} ({args.dtype}): acceptance against draft cost"):
+            plot = None
+
+    print(f"# selfspec tune {args.model} ({args.dtype}, {torch.get_num_threads()} threads)\n")
+    print(f"command: `{command}`  ")
+    print(f"runtime: {seconds:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in result.timings.items())})  ")
+    print(f"cost model: {result.cost_model.summary()}  ")
+    if result.proxy_check is not None:
+        print(f"{result.proxy_check.summary()}  ")
+    print()
+    print(result.table())
+    print()
+    if result.best is not None:
+        verdict = "faster than" if result.best.speedup > 1 else "NOT faster than"
+        print(f"best plan: {result.best.speedup:.2f}x the plain path on held-out prompts ({verdict} plain decoding "
+              f"on this machine, {args.dtype})")
+    print(f"\nplan written to {out}:\n{result.best_plan.to_json()}\n")
+    print(f"report: {report}" + (f"; plot: {plot}" if plot else " (no plot: matplotlib is not installed or --no-plot)"))
+    print("\nadapter entry (adapters/<family>.toml), if this plan should become the model's default:\n")
+    print(adapter_entry(result.best_plan, model.config, command=command))
+    return 0
+
+
+def format_command(args: argparse.Namespace) -> str:
+    """The `selfspec tune` command line that reproduces `args` (options at their defaults left out)."""
+    defaults = vars(add_tune_arguments(argparse.ArgumentParser()).parse_args([str(args.model)]))
+    words = ["selfspec", "tune", str(args.model)]
+    for key, value in vars(args).items():
+        if key not in defaults or key == "model" or value == defaults[key]:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            words.append(flag)
+        elif value not in (False, None):
+            words += [flag, str(value)]
+    return shlex.join(words)
+
+
+def _data_path(data: str) -> Path:
+    if data != "spec-bench":
+        return Path(data)
+    here = Path(__file__).resolve().parent.parent
+    for candidate in (os.environ.get("SELFSPEC_SPEC_BENCH"), Path.cwd() / "../shared/data" / SPEC_BENCH,
+                      here / "../shared/data" / SPEC_BENCH):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    raise ValueError("--data spec-bench: Spec-Bench questions not found; set SELFSPEC_SPEC_BENCH to the .jsonl path")
+
+
+def _say(progress: bool, message: str) -> None:
+    if progress:
+        print(f"selfspec tune: {message}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run as `python -m selfspec.tune_cli MODEL ...` until the `selfspec tune` subcommand is wired."""
+    parser = add_tune_arguments(argparse.ArgumentParser(prog="selfspec tune", description=__doc__.split("\n")[0]))
+    args = parser.parse_args(argv)
+    try:
+        return run_tune(args)
+    except (ValueError, ModuleNotFoundError) as error:
+        print(f"selfspec tune: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
