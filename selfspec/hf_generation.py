@@ -57,6 +57,8 @@ def resolve_settings(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} out of range (valid: >= 1)")
 
+    # Sets the tensors (`_eos_token_tensor`, ...) that processors such as min_new_tokens read.
+    model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device=device, batch_size=1)
     eos = config.eos_token_id
     eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else list(eos))
     processors = model._get_logits_processor(

@@ -129,6 +129,12 @@ def test_logits_processor_and_repetition_penalty(arch):
         assert_same(spec.generate(prompt, max_new_tokens=30, logits_processor=processors), ref, plan)
         ref = reference(model, prompt, max_new_tokens=30, repetition_penalty=1.5)
         assert_same(spec.generate(prompt, max_new_tokens=30, repetition_penalty=1.5), ref, plan)
+        # min_new_tokens keeps an early EOS out (a processor built from the generation config)
+        eos = reference(model, prompt, max_new_tokens=30)[0, 12].item()
+        options = dict(max_new_tokens=30, min_new_tokens=20, eos_token_id=eos)
+        ref = reference(model, prompt, **options)
+        assert ref.shape[1] - prompt.shape[1] >= 20
+        assert_same(spec.generate(prompt, **options), ref, plan)
 
 
 def test_streamer_gets_prompt_then_one_put_per_accepted_chunk():
