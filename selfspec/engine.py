@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .adapter import Adapter, ModelParts, adapter_for, text_config
-from .draft import AdaptivePolicy, Draft, Drafter
+from .draft import AdaptivePolicy, Drafter
 from .hf_generation import GenerationSettings, resolve_settings
 from .plan import DraftPlan
 from .runner import LayerRunner

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 import selfspec
 from selfspec.adapter import Adapter, adapter_for, all_adapters, supported_model_types
 from selfspec.generic import GenericAdapterWarning, self_check
+from plan_strategies import assert_same, plans
 from tiny_models import COMMON, TINY_CONFIGS, has_window, random_prompt, tiny_model
 
 ARCHS = sorted(TINY_CONFIGS)
@@ -38,25 +39,6 @@ ISSUE_MODEL_TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_tex
 def model_for(arch: str):
     """float32; windowed families with a window shorter than the prompts below."""
     return tiny_model(arch, torch.float32, window=SHORT_WINDOW if has_window(arch) else None)
-
-
-def assert_same(out, ref, plan) -> None:
-    assert out.shape == ref.shape and torch.equal(out, ref), (
-        f"plan {plan}: selfspec {out[0].tolist()} != generate {ref[0].tolist()}"
-    )
-
-
-@st.composite
-def plans(draw, num_layers: int):
-    draft_length = draw(st.integers(1, 8))
-    adaptive = draw(st.booleans())
-    threshold = draw(st.floats(0.05, 0.95))
-    if draw(st.booleans()):
-        where = dict(exit_layer=draw(st.integers(1, num_layers)))
-    else:
-        subset = draw(st.sets(st.integers(0, num_layers - 1), min_size=1, max_size=num_layers))
-        where = dict(layers=sorted(subset))
-    return selfspec.DraftPlan(draft_length=draft_length, adaptive=adaptive, threshold=threshold, **where)
 
 
 # -- every adapter ------------------------------------------------------------------
@@ -82,7 +64,7 @@ def test_adapter_found_by_model_type_and_passes_self_check(arch):
 @given(data=st.data())
 def test_greedy_matches_generate(arch, data):
     model = model_for(arch)
-    plan = data.draw(plans(model.config.get_text_config().num_hidden_layers), label="plan")
+    plan = data.draw(plans(model.config.get_text_config().num_hidden_layers, max_draft_length=8), label="plan")
     shortest = 20 if has_window(arch) else 1  # longer than the sliding window
     length = data.draw(st.integers(shortest, 30), label="prompt length")
     prompt = random_prompt(length, seed=data.draw(st.integers(0, 999), label="prompt seed"))

@@ -15,33 +15,15 @@ from hypothesis import strategies as st
 from transformers import LogitsProcessorList, NoRepeatNGramLogitsProcessor, StoppingCriteria, StoppingCriteriaList
 
 import selfspec
+from plan_strategies import assert_same, plans
 from tiny_models import TINY_CONFIGS, random_prompt, tiny_model
 
 ARCHS = sorted(TINY_CONFIGS)
 DTYPES = [torch.float64, torch.float32]
 
 
-@st.composite
-def plans(draw, num_layers: int):
-    draft_length = draw(st.integers(1, 10))
-    adaptive = draw(st.booleans())
-    threshold = draw(st.floats(0.05, 0.95))
-    if draw(st.booleans()):
-        where = dict(exit_layer=draw(st.integers(1, num_layers)))
-    else:
-        subset = draw(st.sets(st.integers(0, num_layers - 1), min_size=1, max_size=num_layers))
-        where = dict(layers=sorted(subset))
-    return selfspec.DraftPlan(draft_length=draft_length, adaptive=adaptive, threshold=threshold, **where)
-
-
 def reference(model, prompt, **kwargs) -> torch.Tensor:
     return model.generate(prompt, do_sample=False, **kwargs)
-
-
-def assert_same(out: torch.Tensor, ref: torch.Tensor, plan) -> None:
-    assert out.shape == ref.shape and torch.equal(out, ref), (
-        f"plan {plan}: selfspec {out[0].tolist()} != generate {ref[0].tolist()}"
-    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

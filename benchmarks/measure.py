@@ -1,0 +1,159 @@
+"""Time one method on one prompt, and measure its peak memory, honestly.
+
+Time: `time.perf_counter()` around the `run` call only, under `torch.no_grad()`,
+with `torch.cuda.synchronize()` before and after on CUDA.
+
+Memory, on CPU: the peak resident set size (RSS) of the process during the
+call. Linux keeps a high-water mark (`VmHWM` in /proc/self/status); writing "5"
+to /proc/self/clear_refs resets it to the current RSS, so we reset it just
+before the call and read it just after. This is exact (the kernel tracks it)
+and costs nothing during the call. `peak_increase` = peak - RSS before the
+call: the memory the call itself needed beyond what the process already held.
+In a timed run that understates the need, because the allocator keeps freed
+memory from earlier calls; so the harness also runs every method once more,
+untimed, after `trim_allocator()` (see `measure(trim=True)`), and reports
+that pass's numbers. Where clear_refs is not available the numbers are None.
+
+On CUDA: `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()`,
+so tensors only, not the allocator's reserve.
+
+This module knows nothing about which method it runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .methods import Method
+from .workload import Prompt
+
+STATUS = Path("/proc/self/status")
+CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+@dataclass
+class Row:
+    """One method on one prompt."""
+
+    method: str
+    prompt_id: str
+    category: str
+    prompt_tokens: int
+    new_tokens: int = 0
+    seconds: float = 0.0
+    verify_passes: int | None = None
+    drafted: int | None = None
+    accepted: int | None = None
+    peak_bytes: int | None = None  # peak RSS (CPU) or peak allocated (CUDA) during the call
+    peak_increase_bytes: int | None = None  # the peak minus the level just before the call
+    output: list[int] = field(default_factory=list)  # the new tokens
+    identical: bool | None = None  # filled in by the report, against the baseline
+    first_difference: int | None = None  # index into `output` of the first token unlike the baseline's
+    error: str | None = None
+    details: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+
+def measure(method: Method, prompt: Prompt, device: torch.device, *, trim: bool = False) -> Row:
+    """Run `method` on `prompt` once; `trim` first returns the allocator's free memory to the OS.
+
+    Timed runs do not trim (the pages a trim gives back would be faulted in again
+    inside the timed call); the memory pass does, so its peak increase is the
+    memory the call needs rather than what the allocator happened to hold already.
+    """
+    row = Row(method.name, prompt.prompt_id, prompt.category, prompt.length)
+    gc.collect()
+    if trim:
+        trim_allocator(device)
+    probe = MemoryProbe(device)
+    try:
+        probe.start()
+        with torch.no_grad():
+            start = _now(device)
+            out, counts = method.run(prompt.input_ids)
+            row.seconds = _now(device) - start
+        row.peak_bytes, row.peak_increase_bytes = probe.stop()
+    except Exception as error:  # a failing method is recorded, the benchmark goes on
+        row.error = f"{type(error).__name__}: {error}"
+        row.details = {"traceback": traceback.format_exc(limit=6)}
+        return row
+    row.output = out[0, prompt.length :].tolist()
+    row.new_tokens = len(row.output)
+    row.verify_passes, row.drafted, row.accepted = counts.verify_passes, counts.drafted, counts.accepted
+    row.details = counts.details
+    return row
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class MemoryProbe:
+    """Peak memory of one call: the kernel's RSS high-water mark on CPU, the allocator's peak on CUDA."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.before: int | None = None
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.before = torch.cuda.memory_allocated(self.device)
+        elif reset_rss_peak():
+            self.before = rss_bytes()
+
+    def stop(self) -> tuple[int | None, int | None]:
+        if self.before is None:
+            return None, None
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            peak = _status_bytes("VmHWM")
+        return peak, None if peak is None else max(0, peak - self.before)
+
+
+def trim_allocator(device: torch.device) -> None:
+    """Give freed memory back: glibc's malloc_trim on CPU, the caching allocator's cache on CUDA."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the peak increase may then be understated
+        pass
+
+
+def reset_rss_peak() -> bool:
+    """Reset the process's RSS high-water mark (Linux >= 4.0); False where that is not possible."""
+    try:
+        CLEAR_REFS.write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def rss_bytes() -> int | None:
+    return _status_bytes("VmRSS")
+
+
+def _status_bytes(key: str) -> int | None:
+    try:
+        for line in STATUS.read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024  # the file says kB
+    except OSError:
+        pass
+    return None

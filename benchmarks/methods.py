@@ -1,0 +1,189 @@
+"""The decoding methods a benchmark compares, each behind one `run(input_ids)` call.
+
+A `Method` is a name, a description and a `run` that generates greedily after
+one prompt and returns the output ids (`[1, prompt + new]`, as `generate()`
+does) with what it knows about its own passes (`PassCounts`).
+
+- `hf-greedy`: `model.generate(do_sample=False)`, the baseline.
+- `hf-early-exit`: Hugging Face assisted generation with the target's own
+  first E layers as the assistant (`assistant_early_exit=E`).
+- `hf-prompt-lookup`: Hugging Face prompt lookup decoding
+  (`prompt_lookup_num_tokens=n`), which drafts by copying n-grams of the context.
+- `selfspec-plain`: selfspec's own loop with drafting off (`DraftPlan.plain()`).
+- `selfspec-plan`: selfspec with the plan given (`--plan`) or the adapter's plan.
+- `selfspec-adaptive` / `selfspec-fixed`: the same plan with the other
+  draft-length policy (adaptive on if the plan is fixed, off if it is adaptive).
+
+Hugging Face does not report passes for assisted generation. For the `hf-*`
+methods we count the full forward passes by a forward hook on the last decoder
+layer, attached only for the duration of the call: the early-exit assistant runs
+layers 0..E-1 only (E < number of layers), so every call of the last layer is a
+pass of the full model. Drafted and accepted counts stay unknown (None) there.
+For selfspec every number comes from `last_stats`.
+
+This module does not time, compare or report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+import selfspec
+from selfspec import DraftPlan
+from selfspec.adapter import adapter_for
+
+BASELINE = "hf-greedy"
+ALL_METHODS = (
+    "hf-greedy",
+    "hf-early-exit",
+    "hf-prompt-lookup",
+    "selfspec-plain",
+    "selfspec-plan",
+    "selfspec-adaptive",
+    "selfspec-fixed",
+)
+
+
+@dataclass
+class PassCounts:
+    """What a method knows about one generation; None where it cannot know."""
+
+    verify_passes: int | None = None  # full forward passes of the target, prefill included
+    drafted: int | None = None
+    accepted: int | None = None
+    details: dict = field(default_factory=dict)  # e.g. selfspec's GenerationStats.as_dict()
+
+
+@dataclass
+class Method:
+    name: str
+    description: str
+    run: Callable[[torch.Tensor], tuple[torch.Tensor, PassCounts]]
+    settings: dict = field(default_factory=dict)
+
+
+class LastLayerCounter:
+    """Counts calls of the model's last decoder layer while in a `with` block; the hook is then removed."""
+
+    def __init__(self, model) -> None:
+        self.layer = decoder_layers(model)[-1]
+        self.calls = 0
+
+    def _hook(self, module, args, output) -> None:
+        self.calls += 1
+
+    def __enter__(self) -> "LastLayerCounter":
+        self.calls = 0
+        self.handle = self.layer.register_forward_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The model's decoder layers: where selfspec's adapter says, else the usual `get_decoder().layers`."""
+    try:
+        return adapter_for(model).bind(model).layers
+    except ValueError:  # no adapter for this architecture: the selfspec methods will say so
+        return model.get_decoder().layers
+
+
+def num_layers(model) -> int:
+    return len(decoder_layers(model))
+
+
+def hf_method(name: str, description: str, model, *, max_new_tokens: int, **generate_options) -> Method:
+    """A method that calls `model.generate` greedily with `generate_options`."""
+
+    def run(input_ids: torch.Tensor) -> tuple[torch.Tensor, PassCounts]:
+        layers = model.config.num_hidden_layers
+        try:
+            with LastLayerCounter(model) as counter:
+                out = model.generate(
+                    input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    do_sample=False,
+                    max_new_tokens=max_new_tokens,
+                    **generate_options,
+                )
+        finally:
+            # HF's early exit truncates the model by editing config.num_hidden_layers while it drafts;
+            # if that edit ever leaked, every later method on this model would be wrong.
+            if model.config.num_hidden_layers != layers:
+                model.config.num_hidden_layers = layers
+                raise RuntimeError(f"{name} left config.num_hidden_layers changed; restored to {layers}")
+        return out, PassCounts(verify_passes=counter.calls)
+
+    return Method(name, description, run, settings=dict(generate_options))
+
+
+def selfspec_method(name: str, description: str, model, plan: DraftPlan, *, max_new_tokens: int) -> Method:
+    spec = selfspec.wrap(model, plan=plan)
+
+    def run(input_ids: torch.Tensor) -> tuple[torch.Tensor, PassCounts]:
+        out = spec.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
+        stats = spec.last_stats
+        counts = PassCounts(stats.verify_passes, stats.drafted, stats.accepted, stats.as_dict())
+        return out, counts
+
+    return Method(name, description, run, settings={"plan": plan.to_dict(), "describe": spec.describe_plan()})
+
+
+def build_method(
+    name: str, model, *, max_new_tokens: int, plan: DraftPlan, early_exit: int, prompt_lookup: int
+) -> Method:
+    """One method by name; raises ValueError for an unknown name."""
+    if name == "hf-greedy":
+        return hf_method(name, "model.generate, greedy (baseline)", model, max_new_tokens=max_new_tokens)
+    if name == "hf-early-exit":
+        return hf_method(
+            name,
+            f"HF assisted generation, assistant_early_exit={early_exit}",
+            model,
+            max_new_tokens=max_new_tokens,
+            assistant_early_exit=early_exit,
+        )
+    if name == "hf-prompt-lookup":
+        return hf_method(
+            name,
+            f"HF prompt lookup, prompt_lookup_num_tokens={prompt_lookup}",
+            model,
+            max_new_tokens=max_new_tokens,
+            prompt_lookup_num_tokens=prompt_lookup,
+        )
+    if name == "selfspec-plain":
+        return selfspec_method(name, "selfspec, no drafting", model, DraftPlan.plain(), max_new_tokens=max_new_tokens)
+    if name in ("selfspec-plan", "selfspec-adaptive", "selfspec-fixed"):
+        variant = {"selfspec-plan": plan, **policy_variants(plan)}.get(name, plan)
+        return selfspec_method(
+            name, f"selfspec, plan {variant.name or '(unnamed)'}", model, variant, max_new_tokens=max_new_tokens
+        )
+    raise ValueError(f"unknown method {name!r}; valid: {', '.join(ALL_METHODS)}")
+
+
+def policy_variants(plan: DraftPlan) -> dict[str, DraftPlan]:
+    """The plan with the other draft-length policy, under the method name that says which.
+
+    A variant equal to the plan itself is left out (it would be `selfspec-plan` run twice).
+    """
+    variants = {
+        "selfspec-adaptive": dataclasses.replace(plan, adaptive=True, name=f"{plan.name}-adaptive"),
+        "selfspec-fixed": dataclasses.replace(plan, adaptive=False, name=f"{plan.name}-fixed"),
+    }
+    return {name: v for name, v in variants.items() if v.adaptive != plan.adaptive}
+
+
+def default_methods(plan: DraftPlan | None) -> list[str]:
+    """Every method that makes sense for this plan; of adaptive/fixed, the one the plan is not."""
+    variants = list(policy_variants(plan)) if plan is not None else []
+    return [m for m in ALL_METHODS if m not in ("selfspec-adaptive", "selfspec-fixed")] + variants
+
+
+def early_exit_candidates(layers: int) -> list[int]:
+    """The default sweep: about a fifth, a third and half of the depth (6, 10, 15 for 30 layers)."""
+    return sorted({min(layers - 1, max(1, round(layers * f))) for f in (0.2, 1 / 3, 0.5)})

@@ -1,0 +1,198 @@
+"""From rows to results: compare with the baseline, aggregate, and write JSON, markdown and a chart.
+
+Aggregates are ratios of totals, as Spec-Bench reports them: tokens/s = all new
+tokens / all seconds; speedup = a method's tokens/s / the baseline's tokens/s
+over the same prompts in the same run; tokens per pass = new tokens / full
+forward passes; acceptance = accepted / drafted. A number a method cannot know
+is None ("n/a" in the table), never a guess. Rows that failed are left out of
+the aggregates and listed under errors.
+
+This module does not run anything.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+
+from .measure import Row
+
+MIB = 1024 * 1024
+
+
+# --------------------------------------------------------------------------- comparison
+
+
+def compare_with_baseline(rows: list[Row], baseline: str) -> None:
+    """Set `identical` and `first_difference` on every row that has a baseline row for its prompt."""
+    reference = {r.prompt_id: r.output for r in rows if r.method == baseline and r.error is None}
+    for row in rows:
+        if row.error is not None or row.prompt_id not in reference:
+            continue
+        ref = reference[row.prompt_id]
+        row.identical = row.output == ref
+        if not row.identical:
+            row.first_difference = next(
+                (i for i, (a, b) in enumerate(zip(row.output, ref)) if a != b), min(len(row.output), len(ref))
+            )
+
+
+# --------------------------------------------------------------------------- aggregation
+
+
+def aggregate(rows: list[Row]) -> dict:
+    """The totals and ratios of one group of rows (one method, maybe one category)."""
+    ok = [r for r in rows if r.error is None]
+    tokens = sum(r.new_tokens for r in ok)
+    seconds = sum(r.seconds for r in ok)
+    compared = [r for r in ok if r.identical is not None]
+    return {
+        "prompts": len(ok),
+        "errors": len(rows) - len(ok),
+        "new_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_second": tokens / seconds if seconds else None,
+        "median_tokens_per_second": statistics.median(r.tokens_per_second for r in ok) if ok else None,
+        "tokens_per_pass": _ratio(ok, "new_tokens", "verify_passes"),
+        "acceptance_rate": _ratio(ok, "accepted", "drafted"),
+        "identical": sum(1 for r in compared if r.identical),
+        "compared": len(compared),
+        "timed_peak_bytes": max((r.peak_bytes for r in ok if r.peak_bytes is not None), default=None),
+    }
+
+
+def _ratio(rows: list[Row], top: str, bottom: str) -> float | None:
+    if not rows or any(getattr(r, bottom) is None or getattr(r, top) is None for r in rows):
+        return None
+    denominator = sum(getattr(r, bottom) for r in rows)
+    return sum(getattr(r, top) for r in rows) / denominator if denominator else None
+
+
+def summarize(
+    rows: list[Row], methods: list[str], categories: list[str], baseline: str, memory: dict[str, Row] | None = None
+) -> dict:
+    """Per method, and per category x method, with speedups against `baseline`.
+
+    `memory`: per method, the row of the untimed memory pass; its peak and
+    increase become the method's `memory_peak_bytes` and `memory_increase_bytes`.
+    """
+    overall = {m: aggregate([r for r in rows if r.method == m]) for m in methods}
+    for m, stats in overall.items():
+        row = (memory or {}).get(m)
+        stats["memory_peak_bytes"] = row.peak_bytes if row else None
+        stats["memory_increase_bytes"] = row.peak_increase_bytes if row else None
+    by_category = {
+        c: {m: aggregate([r for r in rows if r.method == m and r.category == c]) for m in methods} for c in categories
+    }
+    for group in [overall, *by_category.values()]:
+        base = group.get(baseline, {}).get("tokens_per_second")
+        for stats in group.values():
+            tps = stats["tokens_per_second"]
+            stats["speedup"] = tps / base if tps and base else None
+    _add_per_prompt_speedups(rows, overall, baseline)
+    return {"overall": overall, "by_category": by_category}
+
+
+def _add_per_prompt_speedups(rows: list[Row], overall: dict, baseline: str) -> None:
+    """Median over prompts of (baseline seconds / method seconds), a check on the ratio of totals."""
+    base = {r.prompt_id: r for r in rows if r.method == baseline and r.error is None}
+    for method, stats in overall.items():
+        ratios = [
+            base[r.prompt_id].seconds / r.seconds
+            for r in rows
+            if r.method == method and r.error is None and r.prompt_id in base and r.seconds
+        ]
+        stats["median_prompt_speedup"] = statistics.median(ratios) if ratios else None
+
+
+# --------------------------------------------------------------------------- markdown
+
+
+def _num(value, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def _mib(value) -> str:
+    return "n/a" if value is None else f"{value / MIB:.0f}"
+
+
+def markdown(
+    header: dict, summary: dict, rows: list[Row], descriptions: dict[str, str], failed: dict[str, str]
+) -> str:
+    lines = ["# selfspec benchmark", ""]
+    lines += [f"- **{key}**: {value}" for key, value in header.items() if not isinstance(value, (dict, list))]
+    lines += ["", "## Per method", ""]
+    lines += [
+        "| method | tok/s | speedup | median prompt speedup | tokens/pass | acceptance | identical | "
+        "peak MiB | working MiB | what it runs |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for method, s in summary["overall"].items():
+        lines.append(
+            f"| {method} | {_num(s['tokens_per_second'], '.1f')} | {_num(s['speedup'], '.2f')}x | "
+            f"{_num(s['median_prompt_speedup'], '.2f')}x | {_num(s['tokens_per_pass'], '.2f')} | "
+            f"{_num(s['acceptance_rate'], '.1%')} | {s['identical']}/{s['compared']} | "
+            f"{_mib(s['memory_peak_bytes'])} | {_mib(s['memory_increase_bytes'])} | {descriptions.get(method, '')} |"
+        )
+    methods = list(summary["overall"])
+    lines += ["", "## Speedup per category", ""]
+    lines += ["| category | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
+    for category, group in summary["by_category"].items():
+        cells = [_num(group[m]["speedup"], ".2f") for m in methods]
+        lines.append(f"| {category} | " + " | ".join(cells) + " |")
+    lines += _difference_lines(rows) + _error_lines(rows, failed)
+    return "\n".join(lines) + "\n"
+
+
+def _difference_lines(rows: list[Row]) -> list[str]:
+    differing = [r for r in rows if r.identical is False]
+    if not differing:
+        return []
+    lines = ["", "## Outputs unlike the baseline's", "", "| method | prompt | category | first differing token |",
+             "|---|---|---|---:|"]
+    lines += [f"| {r.method} | {r.prompt_id} | {r.category} | {r.first_difference} |" for r in differing]
+    return lines
+
+
+def _error_lines(rows: list[Row], failed: dict[str, str]) -> list[str]:
+    lines = [f"- {name} could not run: {error}" for name, error in failed.items()]
+    lines += [f"- {r.method} on {r.prompt_id}: {r.error}" for r in rows if r.error is not None]
+    return ["", "## Errors", ""] + lines if lines else []
+
+
+# --------------------------------------------------------------------------- files
+
+
+def write_json(path: Path, header: dict, summary: dict, rows: list[Row], extra: dict) -> None:
+    data = {"header": header, "summary": summary, **extra, "rows": [asdict(r) for r in rows]}
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
+
+
+def write_chart(path: Path, summary: dict, baseline: str, title: str) -> str | None:
+    """A grouped bar chart of speedup per category per method; returns why not, if not written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib)"
+    methods = [m for m in summary["overall"] if m != baseline]
+    groups = {**summary["by_category"], "all": summary["overall"]}
+    width = 0.8 / max(1, len(methods))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(groups) + 2), 4.5))
+    for i, method in enumerate(methods):
+        xs = [g + (i - (len(methods) - 1) / 2) * width for g in range(len(groups))]
+        ys = [group[method]["speedup"] or 0.0 for group in groups.values()]
+        ax.bar(xs, ys, width, label=method)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(groups)), list(groups), rotation=30, ha="right")
+    ax.set_ylabel(f"speedup over {baseline}")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
