@@ -91,8 +91,26 @@ def run_generate(args) -> int:
             same = torch.equal(output, reference)
             print(f"outputs identical: {'yes' if same else 'NO'}")
             if not same:
+                print(explain_difference(model, output, reference, input_ids.shape[1]))
                 print(tokenizer.decode(reference[0, input_ids.shape[1]:], skip_special_tokens=True))
     return 0
+
+
+def explain_difference(model, output, reference, prompt_length: int) -> str:
+    """Where two greedy outputs part, and how close the target's top two logits are there."""
+    import torch
+
+    n = min(output.shape[1], reference.shape[1])
+    first = next((i for i in range(prompt_length, n) if output[0, i] != reference[0, i]), n)
+    if first == n:
+        return f"outputs agree on their first {n - prompt_length} new tokens; one is longer"
+    with torch.no_grad():
+        top2 = model(reference[:, :first]).logits[0, -1].float().topk(2).values
+    return (
+        f"first difference at new token {first - prompt_length}, where the target's top two logits differ by "
+        f"{float(top2[0] - top2[1]):.2e} (a gap this small is a rounding near-tie: the verify pass scores "
+        f"several tokens at once and may round differently from one-token steps)"
+    )
 
 
 def encode_prompt(tokenizer, prompt: str):
