@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .ngram import lookup
 from .plan import DraftPlan
 from .runner import LayerRunner
 from .scoring import Scorer
@@ -30,19 +31,42 @@ class Draft:
     tokens: list[int]  # the drafted tokens d_1..d_k
     probs: torch.Tensor | None  # q: [k, vocab] draft distributions (sampling only)
     boundary: list[torch.Tensor]  # k x [1, 1, hidden]: states after the exact prefix for inputs x, d_1..d_{k-1}
+    source: str = "layers"  # "layers", or "ngram" (copied from an earlier match; no boundary states)
 
 
 class Drafter:
     def __init__(self, plan: DraftPlan, num_layers: int) -> None:
         layers = plan.draft_layers(num_layers)
+        self.ngram = plan.ngram
+        self.has_layers = bool(layers)
         self.exact_prefix = plan.exact_prefix(num_layers)  # s
         self.prefix_layers = range(self.exact_prefix)
         self.other_layers = layers[self.exact_prefix :]
 
     def propose(
-        self, runner: LayerRunner, scorer: Scorer, tokens: list[int], budget: int, threshold: float | None
+        self,
+        runner: LayerRunner,
+        scorer: Scorer,
+        tokens: list[int],
+        budget: int,
+        threshold: float | None,
+        *,
+        use_layers: bool = True,
     ) -> Draft:
-        """Draft up to `budget` tokens after `tokens`; the last of `tokens` is not in the cache yet."""
+        """Draft up to `budget` tokens after `tokens`; the last of `tokens` is not in the cache yet.
+
+        An n-gram match, when the plan looks for one, comes first: it is free.
+        """
+        copied = lookup(tokens, max_ngram=self.ngram, budget=budget) if self.ngram else []
+        if copied:
+            probs = None
+            if scorer.do_sample:  # a deterministic proposal: q is one-hot
+                vocab = runner.parts.lm_head.weight.shape[0]
+                probs = torch.zeros(len(copied), vocab, device=runner.positions.device)  # [k, vocab]
+                probs[torch.arange(len(copied)), torch.tensor(copied)] = 1.0
+            return Draft(copied, probs, [], source="ngram")
+        if not (use_layers and self.has_layers):
+            budget = 0
         start = len(tokens) - 1
         drafted: list[int] = []
         probs: list[torch.Tensor] = []
@@ -66,7 +90,7 @@ class Drafter:
         """Target logits `[k+1, vocab]` for the last emitted token (at `start`) and the k drafted tokens."""
         num_layers = runner.parts.num_layers
         k = len(draft.tokens)
-        s = self.exact_prefix if k else 0
+        s = self.exact_prefix if k and draft.boundary else 0
         if s:
             # The exact prefix already ran for x, d_1..d_{k-1}; only d_k still needs it.
             tail = runner.run(runner.embed(draft.tokens[-1:], start + k), range(s), start + k)  # [1, 1, hidden]

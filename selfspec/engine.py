@@ -142,9 +142,11 @@ class SelfSpecModel:
 
         while not out.done:
             start = len(out.tokens) - 1  # position of the last emitted token, not in the cache yet
-            budget = min(policy.budget(), out.remaining - 1)
-            # 1. draft
-            draft = self.drafter.propose(runner, scorer, out.tokens, budget, policy.threshold)
+            budget = min(self.plan.draft_length, out.remaining - 1)
+            # 1. draft (an n-gram match, else the plan's layers unless the policy paused them)
+            draft = self.drafter.propose(
+                runner, scorer, out.tokens, budget, policy.threshold, use_layers=not policy.paused
+            )
             draft_seconds = clock.lap()
             # 2. verify: one pass of the target over the last token and the draft
             logits = self.drafter.verify_pass(runner, out.tokens[-1], draft, start)  # [k+1, vocab]
@@ -162,7 +164,9 @@ class SelfSpecModel:
             # 6. record
             measured = dict(drafted=len(draft.tokens), accepted=verdict.accepted,
                             draft_seconds=draft_seconds, verify_seconds=verify_seconds)
-            stats.record_round(**measured)
+            stats.record_round(**measured, source=draft.source)
+            if draft.source == "ngram":  # the layer policy learns from layer drafts only
+                measured.update(drafted=0, accepted=0, draft_seconds=0.0)
             policy.update(**measured)
 
         stats.new_tokens = len(out.tokens) - len(prompt)

@@ -17,6 +17,11 @@ under a confidence threshold; the threshold starts at `threshold` and moves by
 `threshold_step` after each round so that the observed acceptance rate tracks
 `target_acceptance` (the rule of Draft & Verify, Zhang et al. 2023).
 
+`ngram=N` adds n-gram proposals (prompt lookup): when the last n <= N tokens
+occurred earlier in the sequence, the draft is what followed them, at no model
+cost; otherwise the plan's layers draft. With `ngram` set, the layers may be
+left out (then a round without a match is a plain step).
+
 `draft_length=0` turns drafting off: the engine then runs its own plain path,
 one full forward pass per token, which is the baseline every plan is measured
 against.
@@ -32,6 +37,7 @@ from typing import Any
 
 PLAN_FORMAT = "selfspec.plan/1"
 MAX_DRAFT_LENGTH = 64
+MAX_NGRAM = 16
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,7 @@ class DraftPlan:
     threshold: float = 0.5
     target_acceptance: float = 0.8
     threshold_step: float = 0.05
+    ngram: int = 0
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -54,6 +61,7 @@ class DraftPlan:
         for field in ("threshold", "target_acceptance"):
             _check_unit_interval(field, getattr(self, field))
         _check_unit_interval("threshold_step", self.threshold_step)
+        _check_int("ngram", self.ngram, 0, MAX_NGRAM)
         if self.layers is not None and self.exit_layer is not None:
             raise ValueError(
                 f"DraftPlan takes either layers= or exit_layer=, not both "
@@ -64,12 +72,14 @@ class DraftPlan:
         if self.exit_layer is not None:
             _check_int("exit_layer", self.exit_layer, 1, None)
             return
-        if self.layers is None or len(self.layers) == 0:
+        if (self.layers is None or len(self.layers) == 0) and not self.ngram:
             raise ValueError(
                 "empty plan: give exit_layer=E (E >= 1) or a non-empty layers=[...] list, "
                 "or draft_length=0 for plain decoding"
             )
-        if min(self.layers) < 0:
+        if self.layers is None:
+            return  # n-gram proposals only
+        if self.layers and min(self.layers) < 0:
             raise ValueError(f"layer index {min(self.layers)} out of range: layer indices start at 0")
         duplicates = sorted({i for i in self.layers if self.layers.count(i) > 1})
         if duplicates:
@@ -103,7 +113,8 @@ class DraftPlan:
                     f"(valid: 1..{num_layers})"
                 )
             return tuple(range(self.exit_layer))
-        assert self.layers is not None
+        if self.layers is None:
+            return ()  # n-gram proposals only
         bad = [i for i in self.layers if i >= num_layers]
         if bad:
             raise ValueError(
@@ -129,11 +140,14 @@ class DraftPlan:
         if not self.drafts:
             return "plain decoding (no draft)"
         layers = self.draft_layers(num_layers)
-        where = (
-            f"early exit after layer {self.exit_layer - 1}"
-            if self.exit_layer is not None
-            else f"{len(layers)}/{num_layers} layers {list(layers)}"
-        )
+        if self.exit_layer is not None:
+            where = f"early exit after layer {self.exit_layer - 1}"
+        elif layers:
+            where = f"{len(layers)}/{num_layers} layers {list(layers)}"
+        else:
+            where = "no layer draft"
+        if self.ngram:
+            where = f"n-gram lookup (n<={self.ngram}), then {where}"
         policy = f"k<={self.draft_length}"
         if self.adaptive:
             policy += f", adaptive (threshold {self.threshold:g} -> acceptance {self.target_acceptance:g})"

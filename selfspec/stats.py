@@ -23,6 +23,8 @@ class GenerationStats:
     accepted: int = 0
     recovered: int = 0
     bonus: int = 0
+    ngram_drafted: int = 0  # of `drafted`, copied from an earlier n-gram match
+    ngram_accepted: int = 0  # of `accepted`, those copied tokens
     rounds_without_draft: int = 0  # plain steps: drafting off, paused, or no budget left
     accepted_lengths: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
@@ -46,8 +48,13 @@ class GenerationStats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.total_seconds if self.total_seconds else 0.0
 
-    def record_round(self, *, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+    def record_round(
+        self, *, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float, source: str = "layers"
+    ) -> None:
         self.rounds += 1
+        if source == "ngram":
+            self.ngram_drafted += drafted
+            self.ngram_accepted += accepted
         self.draft_seconds += draft_seconds
         self.verify_seconds += verify_seconds
         self.rounds_without_draft += drafted == 0
@@ -80,6 +87,11 @@ class GenerationStats:
             f"tokens per pass {self.tokens_per_pass:.2f}",
             f"drafted {self.drafted}, accepted {self.accepted}, acceptance rate {self.acceptance_rate:.1%}",
             f"accepted length histogram: {self.accepted_lengths}",
+            *(
+                [f"from n-gram lookup: drafted {self.ngram_drafted}, accepted {self.ngram_accepted}; "
+                 f"from layers: drafted {self.drafted - self.ngram_drafted}, accepted {self.accepted - self.ngram_accepted}"]
+                if self.ngram_drafted else []
+            ),
             f"time: prefill {self.prefill_seconds:.3f} s, draft {self.draft_seconds:.3f} s, "
             f"verify {self.verify_seconds:.3f} s",
         ]

@@ -1,0 +1,25 @@
+"""N-gram proposals (prompt lookup): draft by copying what followed an earlier match.
+
+When the last n tokens of the sequence occurred before (in the prompt or the
+output so far), the tokens that followed that occurrence are a free guess of
+what comes next. Summaries, RAG answers and code edits repeat their context
+often, so the guess is often right, and it costs no model computation.
+
+This module only searches token lists; it knows nothing of models or caches.
+"""
+
+from __future__ import annotations
+
+
+def lookup(tokens: list[int], *, max_ngram: int, budget: int) -> list[int]:
+    """Up to `budget` tokens that followed the latest earlier match of the longest suffix (n <= max_ngram)."""
+    if budget < 1:
+        return []
+    length = len(tokens)
+    for n in range(min(max_ngram, length - 1), 0, -1):
+        suffix = tokens[length - n :]
+        # latest earlier occurrence: its start j satisfies j + n < length (not the suffix itself)
+        for j in range(length - n - 1, -1, -1):
+            if tokens[j : j + n] == suffix:
+                return tokens[j + n : j + n + budget]
+    return []

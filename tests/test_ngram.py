@@ -1,0 +1,55 @@
+"""N-gram proposals: the lookup itself, and plans that use it stay lossless and say where tokens came from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import selfspec
+from plan_strategies import assert_same
+from selfspec.ngram import lookup
+from tiny_models import random_prompt, tiny_model
+
+
+def test_lookup_copies_what_followed_the_latest_longest_match():
+    tokens = [5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7]
+    assert lookup(tokens, max_ngram=2, budget=3) == [9, 2, 6]  # latest earlier "6 7" is followed by 9 2 6
+    assert lookup(tokens, max_ngram=3, budget=1) == [9]  # no earlier "2 6 7": falls back to n=2
+    assert lookup([1, 2, 3], max_ngram=2, budget=4) == []  # no earlier match
+    assert lookup([4, 4], max_ngram=2, budget=5) == [4]  # n=1 match at the start
+    assert lookup([1, 2, 1], max_ngram=1, budget=0) == []
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        selfspec.DraftPlan(ngram=3, draft_length=6),  # n-gram only: a round without a match is a plain step
+        selfspec.DraftPlan(ngram=2, layers=[0, 1, 4], draft_length=4),
+        selfspec.DraftPlan(ngram=1, exit_layer=3, draft_length=8, adaptive=True),
+    ],
+    ids=lambda p: p.describe(6),
+)
+def test_ngram_plans_are_lossless_and_counted(plan):
+    model = tiny_model("llama")
+    # A prompt that repeats itself, so lookups find matches.
+    prompt = random_prompt(8, seed=5).repeat(1, 3)
+    spec = selfspec.wrap(model, plan=plan)
+    ref = model.generate(prompt, max_new_tokens=40, do_sample=False)
+    assert_same(spec.generate(prompt, max_new_tokens=40), ref, plan)
+    stats = spec.last_stats
+    assert stats.ngram_drafted > 0 and 0 <= stats.ngram_accepted <= stats.ngram_drafted
+    assert stats.ngram_drafted <= stats.drafted and stats.ngram_accepted <= stats.accepted
+    if not plan.draft_layers(6):
+        assert stats.ngram_drafted == stats.drafted
+    # Sampling with one-hot n-gram proposals runs and is reproducible.
+    a = spec.generate(prompt, max_new_tokens=30, do_sample=True, generator=torch.Generator().manual_seed(1))
+    b = spec.generate(prompt, max_new_tokens=30, do_sample=True, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a, b)
+
+
+def test_ngram_plan_round_trips_and_validates(tmp_path):
+    plan = selfspec.DraftPlan(ngram=3, draft_length=5)
+    plan.save(tmp_path / "p.json")
+    assert selfspec.DraftPlan.load(tmp_path / "p.json") == plan
+    with pytest.raises(ValueError, match=r"ngram=17 out of range \(valid: 0..16\)"):
+        selfspec.DraftPlan(ngram=17, exit_layer=2)
