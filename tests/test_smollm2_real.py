@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import selfspec
+from plan_strategies import assert_identical_or_near_tie
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +32,6 @@ CHAT_PROMPTS = [
     "Give me a recipe for a simple tomato soup.",
 ]
 NEW_TOKENS = 64
-NEAR_TIE = 2e-3  # absolute gap between the top two float32 logits
 
 
 @pytest.fixture(scope="module")
@@ -45,20 +45,6 @@ def chat_ids(tokenizer, prompt: str) -> torch.Tensor:
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
     )["input_ids"]
-
-
-def assert_identical_or_near_tie(model, out: torch.Tensor, ref: torch.Tensor, prompt_length: int) -> bool:
-    """True when identical; else assert the first difference is a near-tie of the target and return False."""
-    if torch.equal(out, ref):
-        return True
-    n = min(out.shape[1], ref.shape[1])
-    first = next(i for i in range(prompt_length, n) if out[0, i] != ref[0, i])
-    with torch.no_grad():
-        logits = model(ref[:, :first]).logits[0, -1].float()
-    top2 = logits.topk(2).values
-    gap = float(top2[0] - top2[1])
-    assert gap < NEAR_TIE, f"outputs differ at position {first} where the target's top-2 gap is {gap:.2e}: engine error"
-    return False
 
 
 def test_greedy_identical_to_generate_on_chat_prompts(smollm2):
