@@ -12,6 +12,13 @@ the plan holds only its starting values.
 reusing what the draft computed exactly; it returns logits and decides
 nothing. Acceptance (`verify.py`) and the final rollback (`engine.py`) are
 elsewhere.
+
+With a trained exit head (`head.py`) the draft is layers 0..E-1, then the head;
+the head's cache slot must hold entries for every verified token, so the
+prefill and the verify pass keep the states after layer E-1 and
+`Drafter.fill_head` runs the head on the verified ones the draft did not
+already cover. With a draft vocabulary (`vocab.py`) the draft scores only its
+tokens.
 """
 
 from __future__ import annotations
@@ -20,10 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .head import ExitHead
 from .ngram import lookup
 from .plan import DraftPlan
 from .runner import LayerRunner
 from .scoring import Scorer
+from .vocab import DraftVocab
 
 
 @dataclass
@@ -34,14 +43,54 @@ class Draft:
     source: str = "layers"  # "layers", or "ngram" (copied from an earlier match; no boundary states)
 
 
+@dataclass
+class Checked:
+    """What a verify pass computed."""
+
+    logits: torch.Tensor  # [k+1, vocab] target logits
+    exit_states: torch.Tensor | None  # [1, k+1, hidden] states after layer E-1 (only with a head)
+
+
 class Drafter:
-    def __init__(self, plan: DraftPlan, num_layers: int) -> None:
+    def __init__(
+        self, plan: DraftPlan, num_layers: int, *, head: ExitHead | None = None, vocab: DraftVocab | None = None
+    ) -> None:
         layers = plan.draft_layers(num_layers)
+        self.num_layers = num_layers
         self.ngram = plan.ngram
         self.has_layers = bool(layers)
         self.exact_prefix = plan.exact_prefix(num_layers)  # s
         self.prefix_layers = range(self.exact_prefix)
         self.other_layers = layers[self.exact_prefix :]
+        self.head = head
+        self.vocab = vocab
+        if head is not None:
+            if plan.exit_layer != head.exit_layer:
+                raise ValueError(
+                    f"the head {plan.head} was trained for exit_layer={head.exit_layer}, "
+                    f"the plan has exit_layer={plan.exit_layer}"
+                )
+            self.other_layers = (head.slot,)  # layers 0..E-1 are the exact prefix; then the head
+
+    def prefill(self, runner: LayerRunner, prompt: list[int]) -> torch.Tensor:
+        """Run the prompt through the target (and the head, to fill its cache); `[1, vocab]` logits of its last row."""
+        hidden = runner.embed(prompt, 0)  # [1, prompt, hidden]
+        rest = range(self.num_layers)
+        if self.head is not None:
+            hidden = runner.run(hidden, range(self.head.exit_layer), 0)
+            runner.run(hidden, [self.head.slot], 0)
+            rest = range(self.head.exit_layer, self.num_layers)
+        return runner.logits(runner.run(hidden, rest, 0)[:, -1:])
+
+    def fill_head(self, runner: LayerRunner, checked: Checked, start: int, keep: int) -> None:
+        """Give the head cache entries for positions < `keep`: the verified tokens the draft did not run it on."""
+        if self.head is None or checked.exit_states is None:
+            return
+        slot = self.head.slot
+        runner.cache.crop(keep, layers=[slot])
+        have = runner.cache.lengths[slot]  # >= start: the draft's entries are exact (E is the exact prefix)
+        if have < keep:
+            runner.run(checked.exit_states[:, have - start : keep - start], [slot], have)
 
     def propose(
         self,
@@ -76,7 +125,8 @@ class Drafter:
             hidden = runner.run(runner.embed([token], start + i), self.prefix_layers, start + i)  # [1, 1, hidden]
             boundary.append(hidden)
             hidden = runner.run(hidden, self.other_layers, start + i)
-            scores = scorer.scores(runner.logits(hidden), tokens + drafted, len(tokens) + i)  # [1, vocab]
+            logits = runner.logits(hidden, self.vocab)  # [1, vocab]
+            scores = scorer.scores(logits, tokens + drafted, len(tokens) + i)  # [1, vocab]
             token, confidence, q = scorer.draft_choice(scores, with_confidence=threshold is not None)
             drafted.append(token)
             if q is not None:
@@ -86,9 +136,9 @@ class Drafter:
         return Draft(drafted, torch.stack(probs) if probs else None, boundary)
 
 
-    def verify_pass(self, runner: LayerRunner, last_token: int, draft: Draft, start: int) -> torch.Tensor:
+    def verify_pass(self, runner: LayerRunner, last_token: int, draft: Draft, start: int) -> Checked:
         """Target logits `[k+1, vocab]` for the last emitted token (at `start`) and the k drafted tokens."""
-        num_layers = runner.parts.num_layers
+        num_layers = self.num_layers
         k = len(draft.tokens)
         s = self.exact_prefix if k and draft.boundary else 0
         if s:
@@ -98,7 +148,12 @@ class Drafter:
         else:
             hidden = runner.embed([last_token] + draft.tokens, start)  # [1, k+1, hidden]
         runner.cache.crop(start, layers=range(s, num_layers))  # drop the draft's inexact entries
-        return runner.logits(runner.run(hidden, range(s, num_layers), start))
+        exit_states = None
+        if self.head is not None:  # keep the states after layer E-1 for the head's cache
+            exit_layer = self.head.exit_layer
+            hidden = exit_states = runner.run(hidden, range(s, exit_layer), start)  # [1, k+1, hidden]
+            s = exit_layer
+        return Checked(runner.logits(runner.run(hidden, range(s, num_layers), start)), exit_states)
 
 
 class AdaptivePolicy:

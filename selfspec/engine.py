@@ -21,12 +21,14 @@ import torch
 
 from .adapter import Adapter, ModelParts, adapter_for, text_config
 from .draft import AdaptivePolicy, Drafter
+from .head import ExitHead, load_head
 from .hf_generation import GenerationSettings, resolve_settings
 from .plan import DraftPlan
 from .runner import LayerRunner
 from .scoring import Scorer
 from .stats import GenerationStats
 from .verify import verify_greedy, verify_sampling
+from .vocab import DraftVocab, load_vocab
 
 
 def wrap(model, *, plan: DraftPlan | str | os.PathLike | dict | None = None) -> "SelfSpecModel":
@@ -59,7 +61,14 @@ class SelfSpecModel:
         self.adapter = adapter
         self.parts: ModelParts = adapter.bind(model)
         self.plan = plan
-        self.drafter = Drafter(plan, self.parts.num_layers)  # validates the plan against the model
+        plan.draft_layers(self.parts.num_layers)  # validates the plan against the model
+        self.head: ExitHead | None = None
+        self.vocab: DraftVocab | None = None
+        if plan.drafts and plan.head is not None:
+            self.head = load_head(plan.head, model=model, parts=self.parts)
+        if plan.drafts and plan.draft_vocab is not None:
+            self.vocab = load_vocab(plan.draft_vocab, plan.draft_vocab_size, model=model, parts=self.parts)
+        self.drafter = Drafter(plan, self.parts.num_layers, head=self.head, vocab=self.vocab)
         self.last_stats: GenerationStats | None = None
 
     def __repr__(self) -> str:
@@ -126,6 +135,7 @@ class SelfSpecModel:
             self.model.config,
             capacity=len(prompt) + settings.max_new_tokens + self.plan.draft_length + 1,
             device=self.parts.lm_head.weight.device,
+            head=self.head,
         )
         scorer = Scorer(settings, generator)
         out = Output(prompt, settings, streamer)
@@ -134,8 +144,7 @@ class SelfSpecModel:
         clock = Clock(runner.positions.device)
 
         # Prefill: the prompt through every layer; its last row gives the first new token.
-        hidden = runner.run(runner.embed(prompt, 0), range(num_layers), 0)
-        first_scores = scorer.scores(runner.logits(hidden[:, -1:]), out.tokens, len(out.tokens))
+        first_scores = scorer.scores(self.drafter.prefill(runner, prompt), out.tokens, len(out.tokens))
         out.emit([scorer.target_choice(first_scores)])
         stats.verify_passes += 1
         stats.prefill_seconds = clock.lap()
@@ -149,8 +158,8 @@ class SelfSpecModel:
             )
             draft_seconds = clock.lap()
             # 2. verify: one pass of the target over the last token and the draft
-            logits = self.drafter.verify_pass(runner, out.tokens[-1], draft, start)  # [k+1, vocab]
-            scores = scorer.scores(logits, out.tokens + draft.tokens, len(out.tokens))
+            checked = self.drafter.verify_pass(runner, out.tokens[-1], draft, start)
+            scores = scorer.scores(checked.logits, out.tokens + draft.tokens, len(out.tokens))  # [k+1, vocab]
             # 3. accept
             if settings.do_sample:
                 verdict = verify_sampling(draft.tokens, draft.probs, scorer.probs(scores), generator)
@@ -158,6 +167,7 @@ class SelfSpecModel:
                 verdict = verify_greedy(draft.tokens, scores)
             # 4. roll back: keep the entries of the last token and of the accepted drafted tokens
             runner.cache.crop(start + 1 + verdict.accepted)
+            self.drafter.fill_head(runner, checked, start, start + 1 + verdict.accepted)
             verify_seconds = clock.lap()
             # 5. emit (stops at EOS, a stopping criterion or max_new_tokens)
             out.emit(draft.tokens[: verdict.accepted] + [verdict.next_token])

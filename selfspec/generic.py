@@ -115,7 +115,7 @@ def _self_check(model: nn.Module, adapter: Adapter) -> SelfCheck:
     start = len(tokens) - 1
     draft = drafter.propose(runner, _Greedy(), tokens, k, None)
     # The verify pass, as the engine runs it: it resumes after layer 0 from the draft's saved states.
-    verify = drafter.verify_pass(runner, tokens[-1], draft, start)  # [k+1, vocab]
+    verify = drafter.verify_pass(runner, tokens[-1], draft, start).logits  # [k+1, vocab]
 
     ids = torch.tensor([tokens + draft.tokens], device=device)
     reference = model(input_ids=ids, use_cache=False).logits[0].float()  # [P+1+k, vocab]

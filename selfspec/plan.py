@@ -22,6 +22,15 @@ occurred earlier in the sequence, the draft is what followed them, at no model
 cost; otherwise the plan's layers draft. With `ngram` set, the layers may be
 left out (then a round without a match is a plain step).
 
+Two optional artifacts make the layer draft better or cheaper (each a path
+to a manifest, resolved against the plan file's folder when loaded from one):
+
+- `head=PATH`: a trained exit head (`head.py`, `selfspec train-head`) run after
+  layer E-1; it needs `exit_layer=E`, the exit it was trained for;
+- `draft_vocab=PATH`, `draft_vocab_size=K`: the draft scores only the K most
+  frequent tokens of a counted vocabulary (`vocab.py`; K=0: every counted
+  token). The target still verifies over the full vocabulary.
+
 `draft_length=0` turns drafting off: the engine then runs its own plain path,
 one full forward pass per token, which is the baseline every plan is measured
 against.
@@ -52,6 +61,9 @@ class DraftPlan:
     target_acceptance: float = 0.8
     threshold_step: float = 0.05
     ngram: int = 0
+    head: str | None = None
+    draft_vocab: str | None = None
+    draft_vocab_size: int = 0
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -62,6 +74,13 @@ class DraftPlan:
             _check_unit_interval(field, getattr(self, field))
         _check_unit_interval("threshold_step", self.threshold_step)
         _check_int("ngram", self.ngram, 0, MAX_NGRAM)
+        _check_int("draft_vocab_size", self.draft_vocab_size, 0, None)
+        for field in ("head", "draft_vocab"):
+            value = getattr(self, field)
+            if value is not None:
+                object.__setattr__(self, field, os.fspath(value))
+        if self.head is not None and self.exit_layer is None:
+            raise ValueError(f"head={self.head!r} needs exit_layer=E, the exit the head was trained for")
         if self.layers is not None and self.exit_layer is not None:
             raise ValueError(
                 f"DraftPlan takes either layers= or exit_layer=, not both "
@@ -146,6 +165,11 @@ class DraftPlan:
             where = f"{len(layers)}/{num_layers} layers {list(layers)}"
         else:
             where = "no layer draft"
+        if self.head is not None:
+            where += f" + trained head {os.path.basename(self.head)}"
+        if self.draft_vocab is not None:
+            size = self.draft_vocab_size or "all counted"
+            where += f", draft vocabulary {size} from {os.path.basename(self.draft_vocab)}"
         if self.ngram:
             where = f"n-gram lookup (n<={self.ngram}), then {where}"
         policy = f"k<={self.draft_length}"
@@ -186,8 +210,16 @@ class DraftPlan:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "DraftPlan":
+        """Read a plan file; relative `head` / `draft_vocab` paths are taken from the plan file's folder."""
         with open(path, encoding="utf-8") as f:
-            return cls.from_json(f.read())
+            plan = cls.from_json(f.read())
+        folder = os.path.dirname(os.path.abspath(path))
+        resolved = {
+            field: os.path.join(folder, value)
+            for field in ("head", "draft_vocab")
+            if (value := getattr(plan, field)) is not None and not os.path.isabs(value)
+        }
+        return dataclasses.replace(plan, **resolved) if resolved else plan
 
 
 def _check_int(name: str, value: Any, low: int, high: int | None) -> None:

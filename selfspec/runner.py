@@ -17,6 +17,10 @@ The per-family mechanisms it applies, each as the adapter's `ModelParts` says:
   query - key < window, transformers' rule), bool for sdpa, additive for eager;
 - final-logit soft-capping (Gemma 2): cap * tanh(logits / cap).
 
+A trained exit head (`head.py`) is one more layer: index N (the model's layer
+count) in `layers` and in the cache, with the window and rotary kind of the
+layer it was copied from.
+
 It knows positions, masks and layer calling conventions (`layer_call.py`);
 it does not know plans, acceptance or sampling.
 """
@@ -28,18 +32,26 @@ import torch
 from .adapter import Adapter, ModelParts
 from .cache import SharedKVCache
 from .layer_call import layer_call
+from .vocab import DraftVocab
 
 
 class LayerRunner:
-    def __init__(self, parts: ModelParts, adapter: Adapter, config, *, capacity: int, device: torch.device):
+    def __init__(
+        self, parts: ModelParts, adapter: Adapter, config, *, capacity: int, device: torch.device, head=None
+    ):
         # `config` is accepted for the engine's call; the layout was read from it by `adapter.bind`.
         self.parts = parts
-        self.cache = SharedKVCache(parts.num_layers, capacity)
+        self.layers = list(parts.layers)
         self.call = layer_call(adapter.layer_call)
         self.dtype = parts.dtype
         self.bool_masks = parts.attn_implementation == "sdpa"
         self.windows = list(parts.windows) or [None] * parts.num_layers
         self.rotary_kinds = list(parts.rotary_kinds) or [None] * parts.num_layers
+        if head is not None:  # an exit head (head.py) is layer N
+            self.layers.append(head.layer)
+            self.windows.append(self.windows[head.source_layer])
+            self.rotary_kinds.append(self.rotary_kinds[head.source_layer])
+        self.cache = SharedKVCache(len(self.layers), capacity)
         self.positions = torch.arange(capacity, device=device)[None]  # [1, capacity]
         # Rotary embeddings are elementwise in the position (length-dependent rope types
         # are refused by the adapter), so one table per layer type, computed up front,
@@ -78,7 +90,7 @@ class LayerRunner:
             if window not in masks:
                 masks[window] = self.mask(q, start, window)
             hidden = self.call(
-                self.parts.layers[i],
+                self.layers[i],
                 hidden,
                 mask=masks[window],
                 position_embeddings=rotary.get(self.rotary_kinds[i]),
@@ -87,10 +99,15 @@ class LayerRunner:
             )
         return hidden
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[q, vocab]` float32 logits from the last hidden states `[1, q, hidden]`."""
-        logits = self.parts.lm_head(self.parts.norm(hidden))[0]
+    def logits(self, hidden: torch.Tensor, vocab: DraftVocab | None = None) -> torch.Tensor:
+        """`[q, vocab]` float32 logits from the last hidden states `[1, q, hidden]`.
+
+        With a draft vocabulary only its rows are computed; the rest are -inf.
+        """
         cap = self.parts.logit_softcap
+        if vocab is not None:
+            return vocab.logits(self.parts.norm(hidden), cap)
+        logits = self.parts.lm_head(self.parts.norm(hidden))[0]
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap  # in the model's dtype, as the model's own forward does
         return logits.float()

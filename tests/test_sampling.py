@@ -13,6 +13,8 @@ What is tested
    the model's own full forward passes (with temperature, top-k and top-p
    applied through transformers' warpers). Token 1 comes from the prefill;
    tokens 2-4 come from drafted/verified rounds (accepted, recovered, bonus).
+   Plans: early exit, layer subsets, an exit head, and a head with a draft
+   vocabulary of 6 of the 16 tokens (q is zero outside it, p is not).
    An engine that always accepts the draft must fail the same check.
 3. Seeded runs reproduce exactly (explicit generator; global seed).
 4. Plain sampling (draft_length=0) and drafted sampling both run.
@@ -33,9 +35,9 @@ observed gives KL = inf: an impossible token fails the check outright.
 
 This file runs CHECKS_IN_FILE = 40 such checks on samples whose law is the
 reference law (test 1: 6 pairs + 4 Markov-chain checks + 6 checks that the
-wrong-rule harness produces the wrong rule's own exact law; test 2: 3 cases x
+wrong-rule harness produces the wrong rule's own exact law; test 2: 5 cases x
 8), so over random seeds the whole file would falsely fail with probability
-at most 40 * 1e-7 = 4e-6 (< 1e-5). All seeds are fixed, so the outcome is
+at most 56 * 1e-7 = 5.6e-6 (< 1e-5). All seeds are fixed, so the outcome is
 deterministic anyway.
 
 Power (a wrong sampler must fail): in test 1 a wrong rule is only run on
@@ -65,9 +67,10 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 import selfspec
 import selfspec.engine
 from selfspec.verify import Verdict, sample, verify_sampling
+from tiny_models import make_head, make_vocab
 
 DELTA = 1e-7  # false-failure probability bound of one `assert_distribution` check
-CHECKS_IN_FILE = 40  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
+CHECKS_IN_FILE = 56  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -315,8 +318,19 @@ def exact_joint(model, warpers: LogitsProcessorList, new: int) -> torch.Tensor:
     return joint
 
 
+@pytest.fixture(scope="module")
+def artifacts(model, tmp_path_factory):
+    """An exit head for exit 2 (a perturbed copy of layer 3) and a draft vocabulary, for the tiny model."""
+    folder = tmp_path_factory.mktemp("artifacts")
+    return {
+        "head": str(make_head(model, folder / "head", exit_layer=2, source_layer=3, noise=0.05)),
+        "vocab": str(make_vocab(model, folder / "vocab")),
+    }
+
+
 CASES = {
-    # name: (plan, sampling kwargs, the same processing as transformers' warpers)
+    # name: (plan, sampling kwargs, the same processing as transformers' warpers);
+    # a plan may be a function of the `artifacts` fixture
     "T=1, exit_layer=2, k=3": (
         selfspec.DraftPlan(exit_layer=2, draft_length=3),
         dict(temperature=1.0),
@@ -331,6 +345,17 @@ CASES = {
         selfspec.DraftPlan(layers=[1, 3], draft_length=3),
         dict(temperature=1.3, top_p=0.8),
         LogitsProcessorList([TemperatureLogitsWarper(1.3), TopPLogitsWarper(0.8)]),
+    ),
+    "T=1, exit_layer=2 + head, k=3": (
+        lambda a: selfspec.DraftPlan(exit_layer=2, head=a["head"], draft_length=3),
+        dict(temperature=1.0),
+        LogitsProcessorList([]),
+    ),
+    "T=0.8, top_p=0.9, head + draft vocabulary 6/16, k=3": (
+        lambda a: selfspec.DraftPlan(exit_layer=2, head=a["head"], draft_vocab=a["vocab"], draft_vocab_size=6,
+                                     draft_length=3),
+        dict(temperature=0.8, top_p=0.9),
+        LogitsProcessorList([TemperatureLogitsWarper(0.8), TopPLogitsWarper(0.9)]),
     ),
 }
 
@@ -364,9 +389,10 @@ def assert_joint_matches(counts: torch.Tensor, exact: torch.Tensor, what: str) -
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_sampling_matches_exact_target_law(model, case):
+def test_sampling_matches_exact_target_law(model, artifacts, case):
     """selfspec samples vs the exact law from full forwards: 8 checks at DELTA = 1e-7, N = 1,000 runs."""
     plan, sampling, warpers = CASES[case]
+    plan = plan(artifacts) if callable(plan) else plan
     exact = exact_joint(model, warpers, NEW)
     spec = selfspec.wrap(model, plan=plan)
     counts, totals = run_many(spec, N_E2E, seed=11, **sampling)

@@ -119,3 +119,30 @@ def tiny_model(name: str, dtype: torch.dtype = torch.float64, seed: int = 0, win
 def random_prompt(length: int, vocab: int = COMMON["vocab_size"], seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (1, length), generator=g)
+
+
+def make_head(model, path, *, exit_layer: int, source_layer: int | None = None, noise: float = 0.0, seed: int = 0):
+    """Save an (untrained) exit head for `model`: a copy of `source_layer`, its weights perturbed by `noise`."""
+    from selfspec.adapter import adapter_for
+    from selfspec.head import ExitHead, save_head
+
+    parts = adapter_for(model).bind(model)
+    head = ExitHead.from_model(parts, exit_layer=exit_layer, source_layer=source_layer)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in head.parameters():
+            param.add_(noise * torch.randn(param.shape, generator=g, dtype=param.dtype))
+    return save_head(path, head, model=model, parts=parts, training={"note": "untrained test head"})
+
+
+def make_vocab(model, path, *, seed: int = 0):
+    """Save a draft vocabulary for `model` counted on random sequences (skewed, so the order matters)."""
+    from selfspec.adapter import adapter_for
+    from selfspec.vocab import count_tokens, save_vocab
+
+    parts = adapter_for(model).bind(model)
+    vocab = parts.lm_head.weight.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.rand(vocab, generator=g) ** 4
+    seqs = [torch.multinomial(weights, 64, replacement=True, generator=g).tolist() for _ in range(8)]
+    return save_vocab(path, count_tokens(seqs, vocab), model=model, parts=parts, source="random test sequences")

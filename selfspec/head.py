@@ -1,0 +1,91 @@
+"""A trained exit head: one decoder layer that turns the state after layer E into a draft.
+
+The draft of an early-exit plan runs layers 0..E-1, then the head, then the
+model's own final norm and LM head (shared and frozen). The head is a copy of
+one of the model's decoder layers (by default the last one), trained by
+`head_training.py` to match the target's next-token distribution.
+
+Its attention has a cache like any layer's: the head is layer N (N = the
+model's layer count) of the one shared cache, so its KV entries live beside
+the target's and are cropped with them. The engine keeps the invariant that
+the head holds entries for every verified token (see `Drafter.fill_head`);
+nothing is kept beside the cache.
+
+Saved as an artifact (`artifacts.py`): the layer's weights in float32 and a
+manifest with the model identity, the exit layer, the layer it was copied
+from and its shape. Loading a head made for another model is refused.
+
+This module does not train the head and does not decide when it runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+from torch import nn
+
+from .adapter import ModelParts
+from .artifacts import load_artifact, model_identity, save_artifact
+
+KIND = "exit_head"
+
+
+class ExitHead(nn.Module):
+    """One decoder layer run after layer `exit_layer - 1`; its cache slot is `slot` (= the model's layer count)."""
+
+    def __init__(self, layer: nn.Module, *, exit_layer: int, source_layer: int, slot: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.exit_layer = exit_layer
+        self.source_layer = source_layer
+        self.slot = slot
+        for module in layer.modules():  # the head's attention reads and writes its own cache slot
+            if hasattr(module, "layer_idx"):
+                module.layer_idx = slot
+
+    @classmethod
+    def from_model(cls, parts: ModelParts, *, exit_layer: int, source_layer: int | None = None) -> "ExitHead":
+        """A new head initialised as a copy of layer `source_layer` (default: the last layer)."""
+        n = parts.num_layers
+        if not 1 <= exit_layer < n:
+            raise ValueError(f"exit_layer={exit_layer} out of range for a head (valid: 1..{n - 1})")
+        source = n - 1 if source_layer is None else source_layer
+        if not 0 <= source < n:
+            raise ValueError(f"source_layer={source} out of range (valid: 0..{n - 1})")
+        layer = copy.deepcopy(parts.layers[source])
+        return cls(layer, exit_layer=exit_layer, source_layer=source, slot=n)
+
+    def shape(self) -> dict:
+        return {
+            "layer_class": type(self.layer).__name__,
+            "parameters": sum(p.numel() for p in self.layer.parameters()),
+        }
+
+
+def save_head(path: str | os.PathLike, head: ExitHead, *, model, parts: ModelParts, training: dict) -> os.PathLike:
+    """Save `head` (float32 weights) and its manifest; returns the manifest path."""
+    return save_artifact(
+        path,
+        kind=KIND,
+        model_id=model_identity(model, parts),
+        settings={"exit_layer": head.exit_layer, "source_layer": head.source_layer, "shape": head.shape(),
+                  "training": training},
+        tensors={k: v.float() for k, v in head.layer.state_dict().items()},
+    )
+
+
+def load_head(path: str | os.PathLike, *, model, parts: ModelParts) -> ExitHead:
+    """A saved head, in the model's dtype and on its device; refused if made for another model."""
+    artifact = load_artifact(path, kind=KIND, model_id=model_identity(model, parts))
+    manifest = artifact.manifest
+    head = ExitHead.from_model(parts, exit_layer=manifest["exit_layer"], source_layer=manifest["source_layer"])
+    missing, unexpected = head.layer.load_state_dict(artifact.tensors, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{artifact.path}: head weights do not fit this model's layer "
+                         f"(missing {sorted(missing)}, unexpected {sorted(unexpected)})")
+    weight = parts.lm_head.weight
+    head.to(device=weight.device, dtype=weight.dtype)
+    head.eval().requires_grad_(False)
+    return head
