@@ -7,7 +7,8 @@ forward passes; acceptance = accepted / drafted. A number a method cannot know
 is None ("n/a" in the table), never a guess. Rows that failed are left out of
 the aggregates and listed under errors.
 
-This module does not run anything.
+This module times nothing; it runs the target only in `explain_differences`,
+after the timed runs, to tell rounding near-ties from real differences.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import json
 import statistics
 from dataclasses import asdict
 from pathlib import Path
+
+import torch
 
 from .measure import Row
 
@@ -39,6 +42,38 @@ def compare_with_baseline(rows: list[Row], baseline: str) -> None:
             )
 
 
+# Relative top-2 logit gap below which two greedy choices are a rounding near-tie: a few units in
+# the last place of the dtype (bf16 has 8 significant bits, fp16 11, fp32 24).
+NEAR_TIE = {"bfloat16": 2**-5, "float16": 2**-8, "float32": 1e-3}
+
+
+def explain_differences(model, rows: list[Row], prompts: dict, dtype: str, baseline: str) -> None:
+    """For every output unlike the baseline's, the target's top-2 gap at the first difference.
+
+    The target runs once more (untimed) over the prompt and the baseline's tokens
+    before the difference, in the benchmark's dtype. A difference is a near-tie
+    when both tokens are the target's top two and the gap is under `NEAR_TIE`:
+    two correct implementations that round differently (a batched verify pass
+    against single-token steps) can then pick differently.
+    """
+    reference = {r.prompt_id: r.output for r in rows if r.method == baseline and r.error is None}
+    bound = NEAR_TIE.get(dtype, 1e-3)
+    for row in rows:
+        if row.identical is not False or row.first_difference is None:
+            continue
+        ref, first = reference[row.prompt_id], row.first_difference
+        if first >= min(len(ref), len(row.output)):
+            row.near_tie = False  # one output stopped early: not a choice between two tokens
+            continue
+        prompt = prompts[row.prompt_id].input_ids
+        ids = torch.cat([prompt, torch.tensor([ref[:first]], dtype=prompt.dtype, device=prompt.device)], dim=1)
+        with torch.no_grad():
+            top2 = model(ids).logits[0, -1].float().topk(2)
+        gap = float(top2.values[0] - top2.values[1]) / max(1.0, abs(float(top2.values[0])))
+        row.difference_gap = gap
+        row.near_tie = gap < bound and {row.output[first], ref[first]} <= set(top2.indices.tolist())
+
+
 # --------------------------------------------------------------------------- aggregation
 
 
@@ -57,10 +92,20 @@ def aggregate(rows: list[Row]) -> dict:
         "median_tokens_per_second": statistics.median(r.tokens_per_second for r in ok) if ok else None,
         "tokens_per_pass": _ratio(ok, "new_tokens", "verify_passes"),
         "acceptance_rate": _ratio(ok, "accepted", "drafted"),
+        "draft_ms_per_token": _draft_ms_per_token(ok),
         "identical": sum(1 for r in compared if r.identical),
+        "near_ties": sum(1 for r in compared if r.near_tie),
         "compared": len(compared),
         "timed_peak_bytes": max((r.peak_bytes for r in ok if r.peak_bytes is not None), default=None),
     }
+
+
+def _draft_ms_per_token(rows: list[Row]) -> float | None:
+    """selfspec's draft time per drafted token (n-gram copies included), from its stats; None for others."""
+    if not rows or any("draft_seconds" not in r.details for r in rows):
+        return None
+    drafted = sum(r.drafted or 0 for r in rows)
+    return 1000 * sum(r.details["draft_seconds"] for r in rows) / drafted if drafted else None
 
 
 def _ratio(rows: list[Row], top: str, bottom: str) -> float | None:
@@ -125,15 +170,15 @@ def markdown(
     lines += [f"- **{key}**: {value}" for key, value in header.items() if not isinstance(value, (dict, list))]
     lines += ["", "## Per method", ""]
     lines += [
-        "| method | tok/s | speedup | median prompt speedup | tokens/pass | acceptance | identical | "
+        "| method | tok/s | speedup | median prompt speedup | tokens/pass | acceptance | draft ms/token | identical | "
         "peak MiB | working MiB | what it runs |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for method, s in summary["overall"].items():
         lines.append(
             f"| {method} | {_num(s['tokens_per_second'], '.1f')} | {_num(s['speedup'], '.2f')}x | "
             f"{_num(s['median_prompt_speedup'], '.2f')}x | {_num(s['tokens_per_pass'], '.2f')} | "
-            f"{_num(s['acceptance_rate'], '.1%')} | {s['identical']}/{s['compared']} | "
+            f"{_num(s['acceptance_rate'], '.1%')} | {_num(s['draft_ms_per_token'], '.1f')} | {_identical(s)} | "
             f"{_mib(s['memory_peak_bytes'])} | {_mib(s['memory_increase_bytes'])} | {descriptions.get(method, '')} |"
         )
     methods = list(summary["overall"])
@@ -146,13 +191,21 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
+def _identical(s: dict) -> str:
+    ties = f" (+{s['near_ties']} near-tie)" if s.get("near_ties") else ""
+    return f"{s['identical']}/{s['compared']}{ties}"
+
+
 def _difference_lines(rows: list[Row]) -> list[str]:
     differing = [r for r in rows if r.identical is False]
     if not differing:
         return []
-    lines = ["", "## Outputs unlike the baseline's", "", "| method | prompt | category | first differing token |",
-             "|---|---|---|---:|"]
-    lines += [f"| {r.method} | {r.prompt_id} | {r.category} | {r.first_difference} |" for r in differing]
+    lines = ["", "## Outputs unlike the baseline's", "",
+             "The gap is the target's top-2 logit gap at the first difference, relative to max(1, |top logit|); "
+             "a near-tie has both tokens in the target's top two and a gap within the dtype's rounding.", "",
+             "| method | prompt | category | first differing token | gap | near-tie |", "|---|---|---|---:|---:|---|"]
+    lines += [f"| {r.method} | {r.prompt_id} | {r.category} | {r.first_difference} | {_num(r.difference_gap, '.1e')} "
+              f"| {'yes' if r.near_tie else 'NO'} |" for r in differing]
     return lines
 
 

@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the question draw (default 0)")
     p.add_argument("--methods", help=f"comma list from {', '.join(ALL_METHODS)} (default: all that apply)")
     p.add_argument("--plan", type=Path, help="selfspec plan JSON for selfspec-plan (default: the adapter's plan)")
+    p.add_argument("--plans", action="append", default=[], metavar="NAME=PLAN.json",
+                   help="also run selfspec with this plan as method 'plan:NAME' (repeatable; for ablations)")
     p.add_argument("--early-exit-sweep", help="comma list of E for hf-early-exit (default: ~L/5, L/3, L/2)")
     p.add_argument("--sweep-prompts", type=int, default=3, help="prompts the early-exit sweep times (default 3)")
     p.add_argument("--prompt-lookup", type=int, default=10, help="prompt_lookup_num_tokens (default 10)")
@@ -108,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     memory = memory_pass(methods, workload.prompts, device)
 
     report.compare_with_baseline(rows, BASELINE)
+    report.explain_differences(model, rows, {p.prompt_id: p for p in workload.prompts}, args.dtype, BASELINE)
     header["load average at end"] = load_average()
     summary = report.summarize(rows, [m.name for m in methods], workload.categories, BASELINE, memory)
     descriptions = {m.name: m.description for m in methods}
@@ -166,7 +169,19 @@ def method_names(args: argparse.Namespace, plan) -> list[str]:
     unknown = [n for n in names if n not in ALL_METHODS]
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; valid: {', '.join(ALL_METHODS)}")
+    names += [f"plan:{name}" for name in extra_plans(args)]
     return [BASELINE] + [n for n in names if n != BASELINE]  # the baseline always runs, first
+
+
+def extra_plans(args: argparse.Namespace) -> dict[str, Path]:
+    """`--plans NAME=PLAN.json` options as {NAME: path}."""
+    plans = {}
+    for item in args.plans:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--plans takes NAME=PLAN.json, got {item!r}")
+        plans[name] = Path(path)
+    return plans
 
 
 def build_methods(names, model, args, plan, exit_layer, prompts, device) -> tuple[list[Method], dict[str, str]]:
@@ -174,13 +189,21 @@ def build_methods(names, model, args, plan, exit_layer, prompts, device) -> tupl
     methods, failed = [], {}
     warm_prompt = min(prompts, key=lambda p: p.length)
     options = dict(model=model, plan=plan, early_exit=exit_layer, prompt_lookup=args.prompt_lookup)
+    plan_files = extra_plans(args)
     for name in names:
         if plan is None and name.startswith("selfspec-"):
             failed[name] = "no selfspec plan for this model (see the header's plan line)"
             continue
         try:
-            warm_up = build_method(name, max_new_tokens=WARMUP_TOKENS, **options)
-            method = build_method(name, max_new_tokens=args.max_new_tokens, **options)
+            if name.startswith("plan:"):
+                extra = selfspec.DraftPlan.load(plan_files[name[len("plan:"):]])
+                warm_up = build_method("selfspec-plan", max_new_tokens=WARMUP_TOKENS, **{**options, "plan": extra})
+                method = build_method("selfspec-plan", max_new_tokens=args.max_new_tokens, **{**options, "plan": extra})
+                method.name = warm_up.name = name
+                method.description = f"selfspec: {method.settings['describe']}"
+            else:
+                warm_up = build_method(name, max_new_tokens=WARMUP_TOKENS, **options)
+                method = build_method(name, max_new_tokens=args.max_new_tokens, **options)
         except Exception as error:
             failed[name] = f"{type(error).__name__}: {error}"
             continue

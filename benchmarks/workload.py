@@ -124,3 +124,28 @@ def encode(tokenizer, text: str, *, use_chat_template: bool) -> torch.Tensor:
 
 def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
+
+
+def held_out(data_path: Path, *, per_category: int, seed: int) -> list[dict]:
+    """The Spec-Bench rows no benchmark run with this seed and up to `per_category` questions draws.
+
+    For training heads and counting vocabularies without leakage into the benchmark.
+    """
+    rows = [json.loads(line) for line in data_path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    pool = [(r["category"], str(r["question_id"]), r["turns"][0]) for r in rows]
+    drawn = {qid for n in range(1, per_category + 1) for _, qid, _ in _draw(pool, n, seed)}
+    return [r for r in rows if str(r["question_id"]) not in drawn]
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write the Spec-Bench questions a benchmark run does not use.")
+    parser.add_argument("--held-out", required=True, metavar="OUT.jsonl")
+    parser.add_argument("--per-category", type=int, default=5, help="as in benchmarks/run.py (the largest you run)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    args = parser.parse_args()
+    kept = held_out(args.data, per_category=args.per_category, seed=args.seed)
+    Path(args.held_out).write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    print(f"{len(kept)} questions written to {args.held_out}")

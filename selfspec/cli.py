@@ -3,6 +3,7 @@
     selfspec generate "Write a haiku about autumn"
     selfspec generate --compare "Write a haiku about autumn"   # also plain model.generate, same process
     selfspec tune smollm2-135m-instruct --out my_plan.json     # search a fast plan
+    selfspec train-head smollm2-135m-instruct --exit-layer 8 --out heads/e8   # train an exit head
 
 This module parses arguments and prints; the work is done by `selfspec.load`,
 `selfspec.wrap` and `SelfSpecModel.generate`.
@@ -41,6 +42,13 @@ def main(argv: list[str] | None = None) -> int:
         tune = commands.add_parser("tune", help="search a fast draft plan for a model; writes a plan JSON")
         add_tune_arguments(tune)
         tune.set_defaults(run=run_tune)
+    from .train_cli import add_count_vocab_arguments, add_train_head_arguments, run_count_vocab, run_train_head
+
+    train_head = commands.add_parser("train-head", help="train an exit head by self-distillation; writes the head, "
+                                                        "a plan and a draft vocabulary")
+    add_train_head_arguments(train_head).set_defaults(run=run_train_head)
+    count = commands.add_parser("count-vocab", help="count a draft vocabulary on the model's own answers")
+    add_count_vocab_arguments(count).set_defaults(run=run_count_vocab)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -87,3 +87,28 @@ def test_plain_path_identical_in_bfloat16():
         with torch.no_grad():
             ref = model.generate(ids, max_new_tokens=32, do_sample=False)
         assert torch.equal(spec.generate(ids, max_new_tokens=32), ref)
+
+
+def test_train_head_command_end_to_end(smollm2, tmp_path):
+    """`selfspec train-head` on a small budget writes a head, a vocabulary and a plan that stays lossless."""
+    from selfspec.cli import main
+
+    model, tokenizer = smollm2
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(CHAT_PROMPTS[:4]) + "\n")
+    out = tmp_path / "heads" / "smollm2-e6"
+    code = main(["train-head", "smollm2-135m-instruct", "--exit-layer", "6", "--data", str(prompts),
+                 "--new-tokens", "12", "--epochs", "1", "--minutes", "1", "--eval-fraction", "0.25",
+                 "--out", str(out)])
+    assert code == 0
+    for suffix in (".json", ".safetensors", ".plan.json", "-vocab.json", "-vocab.safetensors"):
+        assert (out.parent / f"{out.name}{suffix}").is_file(), suffix
+    plan = selfspec.DraftPlan.load(out.parent / f"{out.name}.plan.json")
+    plan = selfspec.DraftPlan.from_dict({**plan.to_dict(), "draft_vocab": str(out.parent / f"{out.name}-vocab.json"),
+                                         "draft_vocab_size": 2048})
+    spec = selfspec.wrap(model, plan=plan)
+    for prompt in CHAT_PROMPTS[4:6]:
+        ids = chat_ids(tokenizer, prompt)
+        with torch.no_grad():
+            ref = model.generate(ids, max_new_tokens=32, do_sample=False)
+        assert_identical_or_near_tie(model, spec.generate(ids, max_new_tokens=32), ref, ids.shape[1])

@@ -1,0 +1,197 @@
+"""Train an exit head by self-distillation: the target labels its own text.
+
+1. Text: the model's own greedy answers to a prompt set (batched
+   `model.generate`), and/or any text the user gives, cut into sequences.
+2. Features: each sequence runs once through the frozen target (the engine's
+   `LayerRunner`, so masks and positions are the engine's); we keep the states
+   after layer E-1 (the head's input) and the final normed states (from which
+   the target's distribution p is recomputed by the shared LM head).
+3. Training: the head (a copy of one decoder layer, `head.py`) runs on the
+   states after layer E-1 through the same runner, then the model's own final
+   norm and LM head give q; the loss is KL(p || q) averaged over positions.
+   AdamW, warm-up then cosine decay, gradient clipping; stops at the epoch or
+   time budget, whichever comes first.
+4. Held-out sequences measure top-1 agreement with the target (the greedy
+   acceptance rate of a one-token draft), for the head and for the same exit
+   without a head.
+
+Training runs in float32 (load the model in float32); the saved head is cast
+to the model's dtype when a plan loads it.
+
+The model is never modified: the head is a copy, the model's parameters stay
+frozen. This module does not know plans or the decode loop.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn import functional as F
+
+from .adapter import Adapter, ModelParts
+from .head import ExitHead
+from .runner import LayerRunner
+
+
+@dataclass
+class Features:
+    exit_states: torch.Tensor  # [T, hidden] float32: after layer E-1
+    final_normed: torch.Tensor  # [T, hidden] float32: after the final norm
+
+
+@dataclass
+class TrainingLog:
+    steps: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    eval_steps: list[int] = field(default_factory=list)
+    eval_agreement: list[float] = field(default_factory=list)  # head's top-1 agreement with the target
+    exit_agreement: float = 0.0  # the same exit without a head
+    tokens: int = 0  # training tokens (one epoch)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+def own_answers(model, tokenizer, prompts: Sequence[list[int]], *, new_tokens: int, batch_size: int,
+                progress: Callable[[int], None] | None = None) -> list[list[int]]:
+    """Prompt + the model's greedy answer for each prompt (batched, left-padded; stops at EOS)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos]) - {None}
+    sequences = []
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i : i + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])  # [b, width]
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.no_grad():
+            out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), do_sample=False,
+                                 max_new_tokens=new_tokens, pad_token_id=pad)
+        for prompt, row in zip(batch, out[:, width:].tolist()):
+            answer = []
+            for token in row:
+                answer.append(token)
+                if token in eos:
+                    break
+            sequences.append(prompt + answer)
+        if progress:
+            progress(len(batch))
+    return sequences
+
+
+def text_sequences(tokenizer, text: str, *, length: int) -> list[list[int]]:
+    """Any text, tokenized and cut into sequences of `length` tokens."""
+    ids = tokenizer(text)["input_ids"]
+    return [ids[i : i + length] for i in range(0, len(ids), length) if len(ids[i : i + length]) > 1]
+
+
+@torch.no_grad()
+def features(parts: ModelParts, adapter: Adapter, config, sequence: list[int], exit_layer: int) -> Features:
+    device = parts.lm_head.weight.device
+    runner = LayerRunner(parts, adapter, config, capacity=len(sequence), device=device)
+    exit_states = runner.run(runner.embed(sequence, 0), range(exit_layer), 0)  # [1, T, hidden]
+    last = runner.run(exit_states, range(exit_layer, parts.num_layers), 0)
+    return Features(exit_states[0].float().cpu(), parts.norm(last)[0].float().cpu())
+
+
+def _logits(parts: ModelParts, normed: torch.Tensor) -> torch.Tensor:
+    logits = parts.lm_head(normed).float()
+    cap = parts.logit_softcap
+    return torch.tanh(logits / cap) * cap if cap is not None else logits
+
+
+def _head_states(head: ExitHead, parts: ModelParts, adapter: Adapter, config, exit_states: torch.Tensor):
+    """The head's output `[1, T, hidden]`, computed as the engine computes it (through `LayerRunner`)."""
+    runner = LayerRunner(parts, adapter, config, capacity=exit_states.shape[0],
+                         device=exit_states.device, head=head)
+    return runner.run(exit_states[None], [head.slot], 0)
+
+
+def agreement(head: ExitHead | None, parts: ModelParts, adapter: Adapter, config, data: Sequence[Features]) -> float:
+    """Top-1 agreement with the target over `data`, for the head (or for the bare exit when `head` is None)."""
+    same = total = 0
+    with torch.no_grad():
+        for f in data:
+            target = _logits(parts, f.final_normed).argmax(-1)
+            states = f.exit_states[None] if head is None else _head_states(head, parts, adapter, config, f.exit_states)
+            draft = _logits(parts, parts.norm(states.to(parts.lm_head.weight.dtype))[0]).argmax(-1)
+            same += int((draft == target).sum())
+            total += len(target)
+    return same / max(1, total)
+
+
+def train(head: ExitHead, parts: ModelParts, adapter: Adapter, config, train_data: Sequence[Features],
+          eval_data: Sequence[Features], *, epochs: float, minutes: float, lr: float, seed: int = 0,
+          eval_every: int = 50, progress=None) -> TrainingLog:
+    """Fit `head` (float32, trainable) to KL(p || q) on `train_data`; returns the loss and agreement curve."""
+    torch.manual_seed(seed)
+    log = TrainingLog(tokens=sum(len(f.exit_states) for f in train_data))
+    log.exit_agreement = agreement(None, parts, adapter, config, eval_data)
+    total_steps = max(1, int(epochs * len(train_data)))
+    warmup = max(1, total_steps // 20)
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total_steps))),
+    )
+    order: list[int] = []
+    rng = random.Random(seed)
+    began = time.perf_counter()
+    for step in range(total_steps):
+        if not order:
+            order = list(range(len(train_data)))
+            rng.shuffle(order)
+        f = train_data[order.pop()]
+        with torch.no_grad():
+            log_p = F.log_softmax(_logits(parts, f.final_normed), dim=-1)  # [T, V]
+        states = _head_states(head, parts, adapter, config, f.exit_states)  # [1, T, hidden]
+        log_q = F.log_softmax(_logits(parts, parts.norm(states)[0]), dim=-1)  # [T, V]
+        loss = F.kl_div(log_q, log_p, log_target=True, reduction="batchmean")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        log.steps.append(step)
+        log.losses.append(loss.item())
+        if progress is not None:
+            progress(log.losses[-1])
+        out_of_time = time.perf_counter() - began > minutes * 60
+        if (step + 1) % eval_every == 0 or step + 1 == total_steps or out_of_time:
+            log.eval_steps.append(step + 1)
+            log.eval_agreement.append(agreement(head, parts, adapter, config, eval_data))
+        if out_of_time:
+            break
+    log.seconds = time.perf_counter() - began
+    return log
+
+
+def plot(log: TrainingLog, path) -> bool:
+    """Loss and held-out agreement against steps, as a PNG; False when matplotlib is absent."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    window = max(1, len(log.losses) // 50)
+    smooth = [sum(log.losses[max(0, i - window + 1) : i + 1]) / len(log.losses[max(0, i - window + 1) : i + 1])
+              for i in range(len(log.losses))]
+    left.plot(log.steps, smooth)
+    left.set(xlabel="step (one sequence)", ylabel="KL(p || q), smoothed", title="training loss")
+    right.plot(log.eval_steps, log.eval_agreement, marker="o", label="with the head")
+    right.axhline(log.exit_agreement, color="gray", linestyle="--", label="same exit, no head")
+    right.set(xlabel="step", ylabel="top-1 agreement with the target", title="held-out agreement", ylim=(0, 1))
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
