@@ -131,7 +131,7 @@ def make_head(model, path, *, exit_layer: int, source_layer: int | None = None, 
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in head.parameters():
-            param.add_(noise * torch.randn(param.shape, generator=g, dtype=param.dtype))
+            param.add_(noise * torch.randn(param.shape, generator=g, dtype=param.dtype).to(param.device))
     return save_head(path, head, model=model, parts=parts, training={"note": "untrained test head"})
 
 
