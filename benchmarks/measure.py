@@ -56,8 +56,8 @@ class Row:
     output: list[int] = field(default_factory=list)  # the new tokens
     identical: bool | None = None  # filled in by the report, against the baseline
     first_difference: int | None = None  # index into `output` of the first token unlike the baseline's
-    difference_gap: float | None = None  # the target's top-2 logit gap there, relative to max(1, |top logit|)
-    near_tie: bool | None = None  # both tokens are the target's top two and the gap is within rounding
+    difference_gap: float | None = None  # the lower of the two tokens' logits below the top, relative to the row's max |logit|
+    near_tie: bool | None = None  # both tokens within the dtype's rounding of the target's top logit
     error: str | None = None
     details: dict = field(default_factory=dict)
 
