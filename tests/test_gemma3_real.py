@@ -51,7 +51,8 @@ def test_gemma3_greedy_identical_to_generate(gemma3):
     default = selfspec.wrap(model)
     assert default.adapter.name == "gemma3_text"
     skip = selfspec.DraftPlan(layers=[i for i in range(18) if i not in (2, 4, 6, 8)], draft_length=4)
-    plans = {"default": default.plan, "layer-skip": skip}
+    early_exit = selfspec.DraftPlan(exit_layer=13, draft_length=4, adaptive=True, threshold=0.4)
+    plans = {"default": default.plan, "early-exit": early_exit, "layer-skip": skip}
     totals = {name: dict(drafted=0, accepted=0, passes=0, emitted=0) for name in plans}
     identical = near_ties = 0
     for prompt in PROMPTS:
