@@ -83,12 +83,11 @@ class Drafter:
         return runner.logits(runner.run(hidden, rest, 0)[:, -1:])
 
     def fill_head(self, runner: LayerRunner, checked: Checked, start: int, keep: int) -> None:
-        """Give the head cache entries for positions < `keep`: the verified tokens the draft did not run it on."""
+        """After the roll back to `keep` positions: give the head entries for the verified tokens it lacks."""
         if self.head is None or checked.exit_states is None:
             return
         slot = self.head.slot
-        runner.cache.crop(keep, layers=[slot])
-        have = runner.cache.lengths[slot]  # >= start: the draft's entries are exact (E is the exact prefix)
+        have = runner.cache.lengths[slot]  # start..keep: the draft's entries are exact (E is the exact prefix)
         if have < keep:
             runner.run(checked.exit_states[:, have - start : keep - start], [slot], have)
 

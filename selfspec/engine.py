@@ -61,13 +61,13 @@ class SelfSpecModel:
         self.adapter = adapter
         self.parts: ModelParts = adapter.bind(model)
         self.plan = plan
-        plan.draft_layers(self.parts.num_layers)  # validates the plan against the model
         self.head: ExitHead | None = None
         self.vocab: DraftVocab | None = None
         if plan.drafts and plan.head is not None:
             self.head = load_head(plan.head, model=model, parts=self.parts)
         if plan.drafts and plan.draft_vocab is not None:
             self.vocab = load_vocab(plan.draft_vocab, plan.draft_vocab_size, model=model, parts=self.parts)
+        # Drafter validates the plan against the model (layer indices, the head's exit).
         self.drafter = Drafter(plan, self.parts.num_layers, head=self.head, vocab=self.vocab)
         self.last_stats: GenerationStats | None = None
 
@@ -128,7 +128,6 @@ class SelfSpecModel:
     def _decode(
         self, prompt: list[int], settings: GenerationSettings, streamer, generator
     ) -> tuple[list[int], GenerationStats]:
-        num_layers = self.parts.num_layers
         runner = LayerRunner(
             self.parts,
             self.adapter,
