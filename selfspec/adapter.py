@@ -252,6 +252,11 @@ class ModelParts:
         return next(self.lm_head.parameters()).dtype
 
 
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Final-logit soft-capping (Gemma 2): cap * tanh(logits / cap), in the dtype given; identity without a cap."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
 def adapter_dirs() -> list[Path]:
     """Where adapter files live: inside the installed package, or in the source tree."""
     here = Path(__file__).resolve().parent

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn import functional as F
 
-from .adapter import Adapter, ModelParts
+from .adapter import Adapter, ModelParts, soft_cap
 from .head import ExitHead
 from .runner import LayerRunner
 
@@ -101,9 +101,7 @@ def features(parts: ModelParts, adapter: Adapter, config, sequence: list[int], e
 
 
 def _logits(parts: ModelParts, normed: torch.Tensor) -> torch.Tensor:
-    logits = parts.lm_head(normed).float()
-    cap = parts.logit_softcap
-    return torch.tanh(logits / cap) * cap if cap is not None else logits
+    return soft_cap(parts.lm_head(normed).float(), parts.logit_softcap)
 
 
 def _head_states(head: ExitHead, parts: ModelParts, adapter: Adapter, config, exit_states: torch.Tensor):

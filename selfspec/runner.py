@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .adapter import Adapter, ModelParts
+from .adapter import Adapter, ModelParts, soft_cap
 from .cache import SharedKVCache
 from .layer_call import layer_call
 from .vocab import DraftVocab
@@ -107,10 +107,8 @@ class LayerRunner:
         cap = self.parts.logit_softcap
         if vocab is not None:
             return vocab.logits(self.parts.norm(hidden), cap)
-        logits = self.parts.lm_head(self.parts.norm(hidden))[0]
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap  # in the model's dtype, as the model's own forward does
-        return logits.float()
+        # Capped in the model's dtype, as the model's own forward does.
+        return soft_cap(self.parts.lm_head(self.parts.norm(hidden))[0], cap).float()
 
     def mask(self, q: int, start: int, window: int | None) -> torch.Tensor | None:
         """Attention mask for q queries at start.. over start + q keys; None when nothing is hidden."""

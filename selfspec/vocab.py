@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from .adapter import ModelParts
+from .adapter import ModelParts, soft_cap
 from .artifacts import load_artifact, model_identity, save_artifact
 
 KIND = "draft_vocab"
@@ -73,9 +73,7 @@ class DraftVocab:
 
     def logits(self, normed: torch.Tensor, softcap: float | None) -> torch.Tensor:
         """`[q, V]` float32 logits from final-normed states `[1, q, hidden]`: -inf outside the subset."""
-        sub = F.linear(normed, self.weight, self.bias)[0]  # [q, K]
-        if softcap is not None:
-            sub = torch.tanh(sub / softcap) * softcap
+        sub = soft_cap(F.linear(normed, self.weight, self.bias)[0], softcap)  # [q, K]
         full = torch.full((sub.shape[0], self.vocab_size), float("-inf"), device=sub.device)  # [q, V]
         full[:, self.ids] = sub.float()
         return full
