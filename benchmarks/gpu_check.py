@@ -35,7 +35,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import selfspec  # noqa: E402
 from selfspec.adapter import adapter_for  # noqa: E402
 from selfspec.runner import LayerRunner  # noqa: E402
-from tiny_models import TINY_CONFIGS, make_head, make_vocab, random_prompt, tiny_model  # noqa: E402
+from selfspec.testing import TINY_CONFIGS, make_head, make_vocab, random_prompt, tiny_model  # noqa: E402
 
 DEVICE = torch.device(os.environ.get("SELFSPEC_CHECK_DEVICE", "cuda"))  # "cpu" for a dry run
 

@@ -1,7 +1,5 @@
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(int(os.environ.get("SELFSPEC_TEST_THREADS", "1")))

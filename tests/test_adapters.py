@@ -1,6 +1,6 @@
 """The shared adapter runner: every adapter, one tiny random model each, the same checks.
 
-For every architecture in `tiny_models.TINY_CONFIGS` (float32):
+For every architecture in `selfspec.testing.TINY_CONFIGS` (float32):
 - its adapter is found by `model_type` and passes the self-check (one
   draft-and-verify round against a plain forward pass);
 - greedy self-speculative output equals `model.generate(do_sample=False)` token
@@ -29,7 +29,7 @@ import selfspec
 from selfspec.adapter import Adapter, adapter_for, all_adapters, supported_model_types
 from selfspec.generic import GenericAdapterWarning, self_check
 from plan_strategies import assert_same, plans
-from tiny_models import COMMON, TINY_CONFIGS, has_window, random_prompt, tiny_model
+from selfspec.testing import COMMON, TINY_CONFIGS, has_window, random_prompt, tiny_model
 
 ARCHS = sorted(TINY_CONFIGS)
 SHORT_WINDOW = 8

@@ -7,7 +7,7 @@ import torch
 
 import selfspec
 import selfspec.engine as engine
-from tiny_models import TINY_CONFIGS, random_prompt, tiny_model
+from selfspec.testing import TINY_CONFIGS, random_prompt, tiny_model
 
 ARCHS = sorted(TINY_CONFIGS)
 PLANS = [

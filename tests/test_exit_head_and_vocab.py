@@ -26,7 +26,7 @@ from selfspec.adapter import adapter_for
 from selfspec.artifacts import load_artifact
 from selfspec.head import load_head
 from selfspec.vocab import load_vocab
-from tiny_models import TINY_CONFIGS, make_head, make_vocab, random_prompt, tiny_model
+from selfspec.testing import TINY_CONFIGS, make_head, make_vocab, random_prompt, tiny_model
 
 ARCHS = sorted(TINY_CONFIGS)
 

@@ -3,7 +3,7 @@
 Property-based over plans (random layer subsets, every exit layer, draft
 lengths 1..10, fixed and adaptive), prompts, `max_new_tokens` and EOS tokens
 chosen so that they land inside a draft; for every architecture in
-`tiny_models.TINY_CONFIGS`, in float64 and float32.
+`selfspec.testing.TINY_CONFIGS`, in float64 and float32.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from transformers import LogitsProcessorList, NoRepeatNGramLogitsProcessor, Stop
 
 import selfspec
 from plan_strategies import assert_same, plans
-from tiny_models import TINY_CONFIGS, random_prompt, tiny_model
+from selfspec.testing import TINY_CONFIGS, random_prompt, tiny_model
 
 ARCHS = sorted(TINY_CONFIGS)
 DTYPES = [torch.float64, torch.float32]

@@ -16,7 +16,7 @@ from plan_strategies import assert_same
 from selfspec.adapter import adapter_for
 from selfspec.head import ExitHead, save_head
 from selfspec.head_training import agreement, features, train
-from tiny_models import random_prompt, tiny_model
+from selfspec.testing import random_prompt, tiny_model
 
 
 def test_training_lowers_kl_and_raises_agreement(tmp_path):

@@ -8,7 +8,7 @@ import torch
 import selfspec
 from plan_strategies import assert_same
 from selfspec.ngram import lookup
-from tiny_models import random_prompt, tiny_model
+from selfspec.testing import random_prompt, tiny_model
 
 
 def test_lookup_copies_what_followed_the_latest_longest_match():

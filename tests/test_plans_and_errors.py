@@ -10,7 +10,7 @@ import transformers
 
 import selfspec
 from selfspec.adapter import all_adapters
-from tiny_models import random_prompt, tiny_model
+from selfspec.testing import random_prompt, tiny_model
 
 
 def test_plan_round_trips_through_json(tmp_path):

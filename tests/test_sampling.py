@@ -67,7 +67,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 import selfspec
 import selfspec.engine
 from selfspec.verify import Verdict, sample, verify_sampling
-from tiny_models import make_head, make_vocab
+from selfspec.testing import make_head, make_vocab
 
 DELTA = 1e-7  # false-failure probability bound of one `assert_distribution` check
 CHECKS_IN_FILE = 56  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA

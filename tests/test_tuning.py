@@ -13,7 +13,7 @@ import tomllib
 
 import pytest
 import torch
-from tiny_models import random_prompt, tiny_model
+from selfspec.testing import random_prompt, tiny_model
 
 import selfspec
 from selfspec import DraftPlan
@@ -37,7 +37,7 @@ from selfspec.tuning import (
     tune,
 )
 
-LAYERS = 6  # tiny_models.COMMON
+LAYERS = 6  # selfspec.testing.COMMON
 # A made-up cost model (no timing, so the tests are deterministic): 0.1 + 6 * 0.1 + 0.3 == 1.
 COSTS = CostModel(
     num_layers=LAYERS,
