@@ -83,39 +83,40 @@ class SelfSpecModel:
         input_ids: torch.Tensor,
         *,
         attention_mask: torch.Tensor | None = None,
-        max_new_tokens: int | None = None,
-        do_sample: bool | None = None,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_token_id: int | list[int] | None = None,
-        pad_token_id: int | None = None,
         generation_config=None,
         logits_processor=None,
         stopping_criteria=None,
         streamer=None,
         generator: torch.Generator | None = None,
+        tokenizer=None,
         **kwargs,
-    ) -> torch.Tensor:
-        """Generate after `input_ids` `[1, prompt]`; returns `[1, prompt + new]`, stats in `last_stats`."""
+    ):
+        """Generate after `input_ids` `[1, prompt]`; returns `[1, prompt + new]` int64, stats in `last_stats`.
+
+        `kwargs` are `GenerationConfig` fields, merged with the model's
+        `generation_config` exactly as `model.generate` merges them (an explicit
+        `None` overrides the model's default): `max_new_tokens` (no
+        `max_new_tokens` and no `max_length`: 20 new tokens), `max_length`,
+        `min_new_tokens`, `do_sample`, `temperature`, `top_k`, `top_p`,
+        `eos_token_id` (int, list or tensor), `max_time`, `stop_strings`
+        (with `tokenizer=`), `return_dict_in_generate` (then an object with
+        `.sequences`), ... A field selfspec does not implement (`num_beams`,
+        `output_scores`, ...) is refused when set to anything but its default.
+        """
+        self.last_stats = None  # a failed call leaves no stale stats behind
         prompt = self._check_prompt(input_ids, attention_mask)
-        if max_new_tokens is not None and max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} out of range (valid: >= 1)")
+        self._check_context(len(prompt), None)
+        device = self.parts.lm_head.weight.device
         settings = resolve_settings(
             self.model,
-            prompt_length=len(prompt),
+            prompt=torch.tensor([prompt], dtype=torch.long, device=device),
+            has_attention_mask=attention_mask is not None,
             generation_config=generation_config,
             logits_processor=logits_processor,
             stopping_criteria=stopping_criteria,
-            device=input_ids.device,
-            max_new_tokens=max_new_tokens,
-            do_sample=do_sample,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            eos_token_id=eos_token_id,
-            pad_token_id=pad_token_id,
-            **kwargs,
+            tokenizer=tokenizer,
+            device=device,
+            kwargs=kwargs,
         )
         self._check_context(len(prompt), settings.max_new_tokens)
         if streamer is not None:
@@ -185,26 +186,44 @@ class SelfSpecModel:
 
     def _check_prompt(self, input_ids, attention_mask) -> list[int]:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            raise ValueError("input_ids must be a [batch, length] tensor of token ids")
+            got = f"a {input_ids.dim()}-d tensor" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"input_ids must be a [batch, length] tensor of token ids, got {got}")
+        if input_ids.dtype == torch.bool or input_ids.dtype.is_floating_point or input_ids.dtype.is_complex:
+            raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype} (valid: torch.long)")
+        if input_ids.device.type == "meta":
+            raise ValueError(f"input_ids is on the meta device (no data); valid: the CPU or the model's device "
+                             f"({self.parts.lm_head.weight.device})")
         batch, length = input_ids.shape
         if batch != 1:
             raise ValueError(f"batch size {batch} is not supported yet (valid: 1)")
         if length < 1:
             raise ValueError("input_ids is empty: the prompt needs at least one token")
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("attention_mask with padding is not supported (batch size 1 needs no padding)")
-        return input_ids[0].tolist()
+        if attention_mask is not None:
+            if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape):
+                shape = list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+                raise ValueError(f"attention_mask of shape {shape} does not match input_ids of shape "
+                                 f"{list(input_ids.shape)} (valid: the same shape)")
+            if not bool(attention_mask.all()):
+                raise ValueError("attention_mask with padding is not supported (batch size 1 needs no padding)")
+        prompt = input_ids[0].tolist()
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            position, token = next((i, t) for i, t in enumerate(prompt) if not 0 <= t < vocab)
+            raise ValueError(f"input_ids holds token id {token} at position {position}, out of range for the "
+                             f"model's vocabulary of {vocab} tokens (valid: 0..{vocab - 1})")
+        return prompt
 
-    def _check_context(self, prompt_length: int, max_new_tokens: int) -> None:
+    def _check_context(self, prompt_length: int, max_new_tokens: int | None) -> None:
+        """The prompt, and the prompt with `max_new_tokens` more (when given), must fit in the context."""
         context = getattr(text_config(self.model.config), "max_position_embeddings", None)
         if context is None:
             return
-        if prompt_length > context:
+        if prompt_length >= context:
             raise ValueError(
-                f"prompt of {prompt_length} tokens is longer than the model's context "
-                f"(max_position_embeddings={context}; valid prompt length: 1..{context})"
+                f"prompt of {prompt_length} tokens fills the model's context of {context} tokens "
+                f"(max_position_embeddings={context}): no token can be generated (valid prompt length: 1..{context - 1})"
             )
-        if prompt_length + max_new_tokens > context:
+        if max_new_tokens is not None and prompt_length + max_new_tokens > context:
             raise ValueError(
                 f"prompt ({prompt_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                 f"context of {context} tokens (valid max_new_tokens: 1..{context - prompt_length})"

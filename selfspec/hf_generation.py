@@ -1,22 +1,55 @@
 """The bridge to transformers' generation utilities, in one place.
 
 `generate()` must mean what it means in transformers: the same merge of the
-model's `generation_config` with the caller's keyword arguments, and the same
+model's `generation_config` with the caller's keyword arguments (an explicit
+`None` overrides the model's default, as in transformers), the same length
+rule (no `max_new_tokens` and no `max_length`: 20 *new* tokens), the same
 logits processors and warpers (repetition penalty, temperature, top-k, top-p,
-min-new-tokens, ...), in the same order. Rather than re-deriving those rules we
-call transformers' own helpers. They are private methods of `GenerationMixin`,
-so every use of them is kept in this module; the tested transformers range is
-pinned in pyproject.toml.
+min-new-tokens, ...) in the same order, and the same stopping criteria
+(`max_time`, `stop_strings` with `tokenizer=`). Rather than re-deriving those
+rules we call transformers' own helpers. They are private methods of
+`GenerationMixin`, so every use of them is kept in this module; the tested
+transformers range is pinned in pyproject.toml.
+
+Every `GenerationConfig` field is either implemented here, without effect on
+which tokens come out (cache and compile settings, beam-only settings), or
+refused with a clear error when set to anything but its default. The refused
+list is derived from the fields a fresh `GenerationConfig` has, so a field a
+later transformers adds is refused, never silently ignored.
 
 This module knows nothing about drafting or caches.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation import GenerateDecoderOnlyOutput, MaxTimeCriteria, StopStringCriteria
+
+# Fields selfspec implements exactly as transformers does.
+SUPPORTED_FIELDS = frozenset({
+    # length and stopping
+    "max_length", "max_new_tokens", "min_length", "min_new_tokens", "max_time", "stop_strings",
+    # choice of tokens: logits processors and warpers, applied to draft and target alike
+    "do_sample", "temperature", "top_k", "top_p", "min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff",
+    "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+    "bad_words_ids", "renormalize_logits", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "sequence_bias",
+    "watermarking_config",
+    # special tokens and the output's form
+    "pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "return_dict_in_generate",
+})
+# Fields that do not change which tokens come out here: selfspec keeps its own cache and does not compile,
+# and beam-search settings have no effect without beams (num_beams > 1 is refused).
+NO_EFFECT_FIELDS = frozenset({
+    "use_cache", "cache_implementation", "cache_config", "max_cache_len", "compile_config", "disable_compile",
+    "prefill_chunk_size", "early_stopping", "length_penalty", "transformers_version",
+})
+LENGTH_ARGUMENTS = ("max_new_tokens", "max_length", "min_new_tokens", "min_length")
 
 
 @dataclass(frozen=True)
@@ -29,43 +62,124 @@ class GenerationSettings:
     eos_token_ids: frozenset[int]
     processors: LogitsProcessorList
     stopping_criteria: StoppingCriteriaList
+    return_dict: bool = False
+
+    def output(self, sequences: torch.Tensor):
+        """`sequences`, or (with `return_dict_in_generate=True`) transformers' output object holding them."""
+        return GenerateDecoderOnlyOutput(sequences=sequences) if self.return_dict else sequences
+
+
+def generation_fields() -> frozenset[str]:
+    """The public fields of a fresh `GenerationConfig` of the installed transformers."""
+    return frozenset(name for name in vars(GenerationConfig()) if not name.startswith("_"))
+
+
+def unsupported_settings(config: GenerationConfig) -> dict[str, Any]:
+    """Fields of `config` set to a non-default value that selfspec does not implement."""
+    fields = {name for name in vars(type(config)()) if not name.startswith("_")}
+    defaults = GenerationConfig._get_default_generation_params()
+    bad = {}
+    for name in sorted(fields - SUPPORTED_FIELDS - NO_EFFECT_FIELDS):
+        value = getattr(config, name, None)
+        default = defaults.get(name)
+        if value is None or value is False and not default:
+            continue
+        if value != default:
+            bad[name] = value
+    return bad
+
+
+def check_length_argument(name: str, value: Any) -> int | None:
+    """An integer length argument (integral floats accepted, as transformers does); ValueError otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}={value!r} must be an integer")
+    if isinstance(value, float):
+        if not math.isfinite(value) or not value.is_integer():
+            raise ValueError(f"{name}={value!r} must be a whole number of tokens")
+        value = int(value)
+    if value < 0 or (name == "max_new_tokens" and value < 1):
+        low = 1 if name == "max_new_tokens" else 0
+        raise ValueError(f"{name}={value} out of range (valid: >= {low})")
+    return value
 
 
 def resolve_settings(
     model,
     *,
-    prompt_length: int,
+    prompt: torch.Tensor,
+    has_attention_mask: bool,
     generation_config: GenerationConfig | None,
     logits_processor: LogitsProcessorList | None,
     stopping_criteria: StoppingCriteriaList | None,
+    tokenizer=None,
     device: torch.device,
-    **kwargs,
+    kwargs: dict[str, Any],
 ) -> GenerationSettings:
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    config, unused = model._prepare_generation_config(generation_config, **kwargs)
-    if unused:
-        raise ValueError(f"generate() got unsupported keyword argument(s): {sorted(unused)}")
-    for name in ("num_beams", "num_return_sequences"):
-        value = getattr(config, name, None)
-        if value not in (None, 1):
-            raise ValueError(f"{name}={value} is not supported by selfspec (valid: 1)")
+    """Resolve one call's arguments as `GenerationMixin.generate` does; `prompt` is `[1, n]` int64 on `device`.
 
-    if config.max_new_tokens is not None:
-        max_new_tokens = config.max_new_tokens
-    else:
-        max_new_tokens = config.max_length - prompt_length
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} out of range (valid: >= 1)")
+    `kwargs` are exactly the generation arguments the caller passed (a `None`
+    among them overrides the model's default, as in transformers).
+    """
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise ValueError(f"generation_config must be a transformers.GenerationConfig, got {type(generation_config).__name__}")
+    kwargs = dict(kwargs)
+    for name in LENGTH_ARGUMENTS:
+        if name in kwargs:
+            kwargs[name] = check_length_argument(name, kwargs[name])
+    prompt_length = int(prompt.shape[1])
+    # As in GenerationMixin.generate: decided before the configs are merged with their defaults.
+    has_default_max_length = (
+        kwargs.get("max_length") is None
+        and (generation_config is None or generation_config.max_length is None)
+        and model.generation_config.max_length is None
+    )
+    has_default_min_length = (
+        kwargs.get("min_length") is None
+        and (generation_config is None or generation_config.min_length is None)
+        and model.generation_config.min_length is None
+    )
+    config, unused = model._prepare_generation_config(generation_config, **kwargs)
+    unused = {k: v for k, v in unused.items() if k not in ("output_attentions", "output_hidden_states")}
+    if unused:
+        raise ValueError(
+            f"generate() got unsupported keyword argument(s): {sorted(unused)} "
+            "(valid: the fields of transformers.GenerationConfig that selfspec implements, "
+            "attention_mask, streamer, generator, tokenizer, logits_processor, stopping_criteria)"
+        )
+    bad = unsupported_settings(config)
+    if bad:
+        name, value = next(iter(bad.items()))
+        default = GenerationConfig._get_default_generation_params().get(name)
+        others = f"; also set and unsupported: {sorted(bad)[1:]}" if len(bad) > 1 else ""
+        raise ValueError(f"{name}={value!r} is not supported by selfspec (valid: {default!r}, the default){others}")
+    for name in LENGTH_ARGUMENTS:  # a generation_config object may carry them too
+        setattr(config, name, check_length_argument(name, getattr(config, name)))
+
+    # The length rule of transformers, with its warnings: 20 new tokens by default, capped by the context.
+    config = model._prepare_generated_length(
+        generation_config=config,
+        has_default_max_length=has_default_max_length,
+        has_default_min_length=has_default_min_length,
+        model_input_name="input_ids",
+        input_ids_length=prompt_length,
+        inputs_tensor=prompt,
+    )
+    model._validate_generated_length(config, prompt_length, has_default_max_length)
+    max_new_tokens = int(config.max_length) - prompt_length
 
     # Sets the tensors (`_eos_token_tensor`, ...) that processors such as min_new_tokens read.
-    model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device=device, batch_size=1)
-    eos = config.eos_token_id
-    eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else list(eos))
+    model._prepare_special_tokens(config, kwargs_has_attention_mask=has_attention_mask, device=device, batch_size=1)
+    eos = config._eos_token_tensor  # 1-d (or None) whether given as an int, a list or a tensor
+    eos_ids = frozenset() if eos is None else frozenset(int(t) for t in eos.reshape(-1).tolist())
     processors = model._get_logits_processor(
         generation_config=config,
         input_ids_seq_length=prompt_length,
+        encoder_input_ids=prompt,
         logits_processor=LogitsProcessorList(logits_processor or []),
         device=device,
+        model_kwargs={"attention_mask": None},  # batch of one, no padding
     )
     return GenerationSettings(
         config=config,
@@ -73,5 +187,24 @@ def resolve_settings(
         do_sample=bool(config.do_sample),
         eos_token_ids=eos_ids,
         processors=processors,
-        stopping_criteria=StoppingCriteriaList(stopping_criteria or []),
+        stopping_criteria=_stopping_criteria(model, config, stopping_criteria, tokenizer),
+        return_dict=bool(config.return_dict_in_generate),
     )
+
+
+def _stopping_criteria(model, config: GenerationConfig, user, tokenizer) -> StoppingCriteriaList:
+    """`max_time`, `stop_strings` and the caller's criteria, as `GenerationMixin._get_stopping_criteria` builds them.
+
+    The length limit and EOS are the engine's own checks (the same rules).
+    """
+    criteria = StoppingCriteriaList()
+    if config.max_time is not None:
+        criteria.append(MaxTimeCriteria(max_time=config.max_time))
+    if config.stop_strings is not None:
+        if tokenizer is None:
+            raise ValueError(
+                f"stop_strings={config.stop_strings!r} needs the model's tokenizer: pass tokenizer= to generate()"
+            )
+        criteria.append(StopStringCriteria(stop_strings=config.stop_strings, tokenizer=tokenizer))
+    return model._merge_criteria_processor_list(criteria, StoppingCriteriaList(user or []))
+
