@@ -21,6 +21,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,14 +69,31 @@ def save_artifact(
     return manifest_path
 
 
-def load_artifact(path: str | os.PathLike, *, kind: str, model_id: dict[str, Any] | None = None) -> Artifact:
-    """Read an artifact's manifest and tensors; refuse another kind, or another model when `model_id` is given."""
+TensorHeader = dict[str, tuple[str, tuple[int, ...]]]  # name -> (safetensors dtype, e.g. "I64", shape)
+
+
+def load_artifact(
+    path: str | os.PathLike,
+    *,
+    kind: str,
+    model_id: dict[str, Any] | None = None,
+    check_manifest: Callable[[dict[str, Any]], None] | None = None,
+    check_tensors: Callable[[dict[str, Any], TensorHeader], None] | None = None,
+) -> Artifact:
+    """Read an artifact's manifest and tensors; refuse another kind, or another model when `model_id` is given.
+
+    Everything is validated before any tensor is read: the manifest (JSON
+    object, format, kind, model, and `check_manifest(manifest)`), then the
+    tensor file's header (names, dtypes and shapes, `check_tensors(manifest,
+    header)`), so a hostile or damaged file is refused before it can make us
+    allocate anything. The checks raise ValueError; the message gets the file's name.
+    """
     manifest_path = Path(path)
     if manifest_path.suffix == ".safetensors":
         manifest_path = manifest_path.with_suffix(".json")
     if not manifest_path.is_file():
         raise FileNotFoundError(f"{kind} manifest not found: {manifest_path}")
-    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    manifest = read_manifest(manifest_path)
     if manifest.get("format") != ARTIFACT_FORMAT or manifest.get("kind") != kind:
         raise ValueError(
             f"{manifest_path} is not a {kind} file (format {manifest.get('format')!r}, kind {manifest.get('kind')!r}; "
@@ -86,5 +104,70 @@ def load_artifact(path: str | os.PathLike, *, kind: str, model_id: dict[str, Any
             f"{manifest_path} was made for another model: it records {manifest.get('model')}, "
             f"this model is {model_id}. Make a new one for this model (selfspec train-head / selfspec count-vocab)."
         )
-    tensors = load_file(str(manifest_path.parent / manifest["tensors"]))
+    name = manifest.get("tensors")
+    if not isinstance(name, str) or not name or Path(name).name != name:
+        raise ValueError(f"{manifest_path}: 'tensors' must name a .safetensors file beside the manifest, got {name!r}")
+    tensor_path = manifest_path.parent / name
+    try:
+        if check_manifest is not None:
+            check_manifest(manifest)
+        header = read_header(tensor_path)
+        if check_tensors is not None:
+            check_tensors(manifest, header)
+    except ValueError as error:
+        raise ValueError(f"{manifest_path}: {error}") from None
+    try:
+        tensors = load_file(str(tensor_path))
+    except Exception as error:  # safetensors raises its own error type for a damaged file
+        raise ValueError(f"{tensor_path} could not be read ({error}); the file is damaged: make it again") from None
     return Artifact(kind, manifest, tensors, manifest_path)
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """A manifest's JSON object; ValueError naming the file if it is not one."""
+    try:
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(manifest).__name__}")
+    return manifest
+
+
+def read_header(path: Path) -> TensorHeader:
+    """The names, dtypes and shapes in a .safetensors file, read from its header alone (nothing allocated).
+
+    A file whose size does not match its header (truncated, or bytes appended) is refused here.
+    """
+    if not path.is_file():
+        raise ValueError(f"tensor file not found: {path}")
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if size < 8 or length > size - 8:
+                raise ValueError("header longer than the file")
+            header = json.loads(f.read(length).decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+        result: TensorHeader = {}
+        end = 0
+        for key, entry in header.items():
+            if key == "__metadata__":
+                continue
+            dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+            if not (isinstance(dtype, str) and isinstance(shape, list) and all(_is_count(n) for n in shape)
+                    and isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(n) for n in offsets)):
+                raise ValueError(f"bad header entry for {key!r}")
+            result[key] = (dtype, tuple(shape))
+            end = max(end, offsets[1])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not a readable .safetensors file ({error}); make it again") from None
+    if 8 + length + end != size:
+        raise ValueError(f"{path} is truncated or damaged: its header describes {8 + length + end} bytes, "
+                         f"the file has {size}; make it again")
+    return result
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

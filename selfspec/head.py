@@ -8,7 +8,7 @@ one of the model's decoder layers (by default the last one), trained by
 Its attention has a cache like any layer's: the head is layer N (N = the
 model's layer count) of the one shared cache, so its KV entries live beside
 the target's and are cropped with them. The engine keeps the invariant that
-the head holds entries for every verified token (see `Drafter.fill_head`);
+the head holds entries for every verified token (see `TargetPasses.fill_head` in `passes.py`);
 nothing is kept beside the cache.
 
 Saved as an artifact (`artifacts.py`): the layer's weights in float32 and a
@@ -76,9 +76,39 @@ def save_head(path: str | os.PathLike, head: ExitHead, *, model, parts: ModelPar
     )
 
 
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def check_head_manifest(manifest: dict, num_layers: int) -> None:
+    """`exit_layer` in 1..N-1 and `source_layer` in 0..N-1, integers both."""
+    for key, low, high in (("exit_layer", 1, num_layers - 1), ("source_layer", 0, num_layers - 1)):
+        if key not in manifest:
+            raise ValueError(f"the manifest has no {key!r} (valid: an integer in {low}..{high})")
+        value = manifest[key]
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise ValueError(f"{key}={value!r} out of range for this model of {num_layers} layers "
+                             f"(valid: an integer in {low}..{high})")
+
+
+def check_head_header(header: dict, layer: nn.Module) -> None:
+    """The tensor file holds exactly the layer's weights, each a float tensor of the layer's shape."""
+    expected = {name: tuple(t.shape) for name, t in layer.state_dict().items()}
+    missing, unexpected = sorted(set(expected) - set(header)), sorted(set(header) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"head weights do not fit this model's layer (missing {missing}, unexpected {unexpected})")
+    for name, (dtype, shape) in header.items():
+        if dtype not in FLOAT_DTYPES or shape != expected[name]:
+            raise ValueError(f"head tensor {name!r} is {dtype} of shape {list(shape)} "
+                             f"(valid: a float tensor of shape {list(expected[name])})")
+
+
 def load_head(path: str | os.PathLike, *, model, parts: ModelParts) -> ExitHead:
     """A saved head, in the model's dtype and on its device; refused if made for another model."""
-    artifact = load_artifact(path, kind=KIND, model_id=model_identity(model, parts))
+    artifact = load_artifact(
+        path, kind=KIND, model_id=model_identity(model, parts),
+        check_manifest=lambda manifest: check_head_manifest(manifest, parts.num_layers),
+        check_tensors=lambda manifest, header: check_head_header(header, parts.layers[manifest["source_layer"]]),
+    )
     manifest = artifact.manifest
     head = ExitHead.from_model(parts, exit_layer=manifest["exit_layer"], source_layer=manifest["source_layer"])
     missing, unexpected = head.layer.load_state_dict(artifact.tensors, strict=False)

@@ -40,9 +40,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 PLAN_FORMAT = "selfspec.plan/1"
 MAX_DRAFT_LENGTH = 64
@@ -67,18 +70,38 @@ class DraftPlan:
     name: str = ""
 
     def __post_init__(self) -> None:
+        # One strict rule for every field: the type it names (ints are ints, never bools, floats or strings).
         if self.layers is not None:
+            if not isinstance(self.layers, (list, tuple)):
+                raise ValueError(f"layers must be a list of layer indices, got {self.layers!r}")
+            for i in self.layers:
+                if not _is_int(i):
+                    raise ValueError(f"layers must hold integer layer indices, got {i!r} in {list(self.layers)!r}")
             object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
+        if self.exit_layer is not None:
+            if not _is_int(self.exit_layer):
+                raise ValueError(f"exit_layer must be an integer, got {self.exit_layer!r}")
+            object.__setattr__(self, "exit_layer", int(self.exit_layer))
         _check_int("draft_length", self.draft_length, 0, MAX_DRAFT_LENGTH)
-        for field in ("threshold", "target_acceptance"):
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be true or false, got {self.adaptive!r}")
+        for field in ("threshold", "target_acceptance", "threshold_step"):
             _check_unit_interval(field, getattr(self, field))
-        _check_unit_interval("threshold_step", self.threshold_step)
         _check_int("ngram", self.ngram, 0, MAX_NGRAM)
         _check_int("draft_vocab_size", self.draft_vocab_size, 0, None)
         for field in ("head", "draft_vocab"):
             value = getattr(self, field)
             if value is not None:
+                if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+                    raise ValueError(f"{field} must be a path to a manifest (.json), got {value!r}")
                 object.__setattr__(self, field, os.fspath(value))
+        if not isinstance(self.name, str):
+            raise ValueError(f"name must be a string, got {self.name!r}")
+        if self.draft_vocab_size and self.draft_vocab is None:
+            raise ValueError(
+                f"draft_vocab_size={self.draft_vocab_size} needs draft_vocab=PATH, the vocabulary file it takes "
+                "the most frequent tokens from"
+            )
         if self.head is not None and self.exit_layer is None:
             raise ValueError(f"head={self.head!r} needs exit_layer=E, the exit the head was trained for")
         if self.layers is not None and self.exit_layer is not None:
@@ -187,12 +210,14 @@ class DraftPlan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "DraftPlan":
+        if not isinstance(data, dict):
+            raise ValueError(f"a plan must be a JSON object of plan fields, got {type(data).__name__}: {data!r:.80}")
         data = dict(data)
         fmt = data.pop("format", PLAN_FORMAT)
         if fmt != PLAN_FORMAT:
             raise ValueError(f"unknown plan format {fmt!r}; this selfspec reads {PLAN_FORMAT!r}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - known, key=str)
         if unknown:
             raise ValueError(f"unknown plan field(s) {unknown}; valid fields: {sorted(known)}")
         return cls(**data)
@@ -211,8 +236,18 @@ class DraftPlan:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "DraftPlan":
         """Read a plan file; relative `head` / `draft_vocab` paths are taken from the plan file's folder."""
-        with open(path, encoding="utf-8") as f:
-            plan = cls.from_json(f.read())
+        if not os.fspath(path):
+            raise ValueError("plan path is empty (valid: the path to a plan JSON file)")
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"plan file {os.fspath(path)} is not valid JSON: {error}") from None
+        try:
+            plan = cls.from_dict(data)
+        except ValueError as error:
+            raise ValueError(f"plan file {os.fspath(path)}: {error}") from None
         folder = os.path.dirname(os.path.abspath(path))
         resolved = {
             field: os.path.join(folder, value)
@@ -222,8 +257,13 @@ class DraftPlan:
         return dataclasses.replace(plan, **resolved) if resolved else plan
 
 
+def _is_int(value: Any) -> bool:
+    """An integer (numpy's too), never a bool, a float or a string."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
 def _check_int(name: str, value: Any, low: int, high: int | None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not _is_int(value):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value < low or (high is not None and value > high):
         valid = f"{low}..{high}" if high is not None else f">= {low}"
@@ -231,5 +271,5 @@ def _check_int(name: str, value: Any, low: int, high: int | None) -> None:
 
 
 def _check_unit_interval(name: str, value: Any) -> None:
-    if not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
         raise ValueError(f"{name}={value!r} out of range (valid: 0.0..1.0)")

@@ -83,10 +83,43 @@ class DraftVocab:
         return f"draft vocabulary {self.size}/{self.vocab_size} tokens ({mib:.1f} MiB of LM-head rows)"
 
 
+def check_vocab_header(header: dict, vocab_size: int) -> None:
+    """A vocabulary file holds `ids_by_count` and `counts`, int64 `[n]` each, 1 <= n <= the vocabulary size."""
+    expected = {"ids_by_count", "counts"}
+    if set(header) != expected:
+        raise ValueError(f"tensors {sorted(header)} (valid: exactly {sorted(expected)})")
+    lengths = set()
+    for name, (dtype, shape) in header.items():
+        if dtype != "I64" or len(shape) != 1:
+            raise ValueError(f"tensor {name!r} is {dtype} of shape {list(shape)} (valid: I64 (int64) of shape [n])")
+        lengths.add(shape[0])
+    n = lengths.pop()
+    if lengths:
+        raise ValueError("ids_by_count and counts differ in length (valid: the same length)")
+    if not 1 <= n <= vocab_size:
+        raise ValueError(f"{n} token ids, out of range for this model's vocabulary of {vocab_size} (valid: 1..{vocab_size})")
+
+
+def check_vocab_ids(ids: torch.Tensor, counts: torch.Tensor, vocab_size: int, path) -> None:
+    """Every id in 0..V-1, each once; counts not negative."""
+    bad = ((ids < 0) | (ids >= vocab_size)).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"{path}: token id {int(ids[i])} at index {i} out of range (valid: 0..{vocab_size - 1})")
+    seen = torch.bincount(ids, minlength=vocab_size)
+    if int(seen.max()) > 1:
+        raise ValueError(f"{path}: token id {int(seen.argmax())} appears {int(seen.max())} times (valid: each id once)")
+    if len(counts) and int(counts.min()) < 0:
+        raise ValueError(f"{path}: negative count {int(counts.min())} (valid: counts >= 0)")
+
+
 def load_vocab(path: str | os.PathLike, size: int, *, model, parts: ModelParts) -> DraftVocab:
     """The `size` most frequent tokens of a vocabulary file (0: every token it counted)."""
-    artifact = load_artifact(path, kind=KIND, model_id=model_identity(model, parts))
+    vocab_size = int(parts.lm_head.weight.shape[0])
+    artifact = load_artifact(path, kind=KIND, model_id=model_identity(model, parts),
+                             check_tensors=lambda manifest, header: check_vocab_header(header, vocab_size))
     ids, counts = artifact.tensors["ids_by_count"], artifact.tensors["counts"]
+    check_vocab_ids(ids, counts, vocab_size, artifact.path)
     counted = int((counts > 0).sum())
     if size == 0:
         size = counted

@@ -83,7 +83,7 @@ def test_bad_generate_arguments():
     with pytest.raises(ValueError, match=r"batch size 2 is not supported yet \(valid: 1\)"):
         spec.generate(prompt.repeat(2, 1), max_new_tokens=5)
     long_prompt = random_prompt(300)  # the tiny model's context is 256
-    with pytest.raises(ValueError, match=r"prompt of 300 tokens is longer than the model's context .*valid prompt length: 1..256"):
+    with pytest.raises(ValueError, match=r"prompt of 300 tokens is longer than the model's context .*valid prompt length: 1..255"):
         spec.generate(long_prompt, max_new_tokens=5)
     with pytest.raises(ValueError, match=r"valid max_new_tokens: 1..6"):
         spec.generate(random_prompt(250), max_new_tokens=10)
