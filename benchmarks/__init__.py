@@ -1,1 +1,1 @@
-"""The benchmark harness: `python benchmarks/run.py --help` (see README.md beside this file)."""
+"""The benchmark harness: `python -m benchmarks.run --help` (see README.md beside this file)."""

@@ -1,6 +1,6 @@
 """model.generate vs selfspec's plain path vs selfspec's default plan, side by side.
 
-    python benchmarks/engine_overhead.py bfloat16 2 64     # dtype, threads, new tokens
+    python -m benchmarks.engine_overhead bfloat16 2 64     # dtype, threads, new tokens
 
 Three chat prompts, each run twice per method, methods interleaved in a
 rotating order in one process after a warm-up; every run generates exactly N

@@ -1,6 +1,6 @@
 """CUDA check: losslessness on a GPU, and what a draft and a verify pass cost there.
 
-    python benchmarks/gpu_check.py            # needs a CUDA device; about two minutes
+    python -m benchmarks.gpu_check            # needs a CUDA device; about two minutes
 
 1. Greedy equality with `model.generate` on CUDA, for every tiny architecture
    of the test suite, in float64 (exact) and float32 (first difference
@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,13 +28,9 @@ from pathlib import Path
 import torch
 import transformers
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-import selfspec  # noqa: E402
-from selfspec.adapter import adapter_for  # noqa: E402
-from selfspec.runner import LayerRunner  # noqa: E402
-from selfspec.testing import TINY_CONFIGS, make_head, make_vocab, random_prompt, tiny_model  # noqa: E402
+import selfspec
+from selfspec.runner import LayerRunner
+from selfspec.testing import TINY_CONFIGS, make_head, make_vocab, random_prompt, tiny_model
 
 DEVICE = torch.device(os.environ.get("SELFSPEC_CHECK_DEVICE", "cuda"))  # "cpu" for a dry run
 
@@ -130,9 +125,8 @@ def costs() -> None:
     print(f"SmolLM2 shape, bf16, 256-token prompt, 128 new tokens: model.generate {128 / hf:.1f} tok/s, "
           f"selfspec plain path {128 / ours:.1f} tok/s ({hf / ours:.2f}x)", flush=True)
 
-    adapter = adapter_for(model)
-    parts = adapter.bind(model)
-    runner = LayerRunner(parts, adapter, model.config, capacity=300, device=DEVICE)
+    parts = selfspec.wrap(model, plan=selfspec.DraftPlan.plain()).parts
+    runner = LayerRunner(parts, capacity=300, device=DEVICE)
     runner.run(runner.embed(prompt[0].tolist(), 0), range(30), 0)
     start = 256
 

@@ -34,7 +34,6 @@ import torch
 
 import selfspec
 from selfspec import DraftPlan
-from selfspec.adapter import adapter_for
 
 BASELINE = "hf-greedy"
 ALL_METHODS = (
@@ -88,7 +87,7 @@ class LastLayerCounter:
 def decoder_layers(model) -> torch.nn.ModuleList:
     """The model's decoder layers: where selfspec's adapter says, else the usual `get_decoder().layers`."""
     try:
-        return adapter_for(model).bind(model).layers
+        return selfspec.wrap(model, plan=selfspec.DraftPlan.plain()).parts.layers
     except ValueError:  # no adapter for this architecture: the selfspec methods will say so
         return model.get_decoder().layers
 

@@ -1,8 +1,8 @@
 """Benchmark selfspec against Hugging Face decoding: one process, the same prompts, methods interleaved.
 
-    python benchmarks/run.py --quick                      # about two minutes on a quiet 2-core CPU
-    python benchmarks/run.py                              # 5 Spec-Bench questions per category
-    python benchmarks/run.py --model gemma3-270m --dtype float32 --per-category 2
+    python -m benchmarks.run --quick                      # about two minutes on a quiet 2-core CPU
+    python -m benchmarks.run                              # 5 Spec-Bench questions per category
+    python -m benchmarks.run --model gemma3-270m --dtype float32 --per-category 2
 
 See benchmarks/README.md for every option, the columns and how to read them.
 Writes results/<time>-<model>-<dtype>/{bench.json, table.md, chart.png}.
@@ -21,17 +21,13 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:  # run from a source checkout without installing
-    sys.path.insert(0, str(REPO_ROOT))
+import torch
+import transformers
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-
-import selfspec  # noqa: E402
-from benchmarks import report  # noqa: E402
-from benchmarks.measure import Row, measure  # noqa: E402
-from benchmarks.methods import (  # noqa: E402
+import selfspec
+from benchmarks import report
+from benchmarks.measure import Row, measure
+from benchmarks.methods import (
     ALL_METHODS,
     BASELINE,
     Method,
@@ -40,7 +36,9 @@ from benchmarks.methods import (  # noqa: E402
     early_exit_candidates,
     num_layers,
 )
-from benchmarks.workload import DEFAULT_DATA, Prompt, build_workload, has_chat_template  # noqa: E402
+from benchmarks.workload import DEFAULT_DATA, Prompt, build_workload, has_chat_template
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 QUICK = {
     "per_category": 1,

@@ -1,6 +1,6 @@
 """Draft vocabulary sweep: what each K saves in draft time and loses in acceptance.
 
-    python benchmarks/vocab_sweep.py [--dtype bfloat16] [--threads 2] [--vocab examples/heads/smollm2-e10-vocab.json]
+    python -m benchmarks.vocab_sweep [--dtype bfloat16] [--threads 2] [--vocab examples/heads/smollm2-e10-vocab.json]
 
 For two drafts of SmolLM2 (the tuned layer set and the exit-10 head, k=4,
 fixed), runs one Spec-Bench question from each of six categories for each K
@@ -19,11 +19,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import selfspec
+from benchmarks.workload import DEFAULT_DATA, build_workload
 
-import selfspec  # noqa: E402
-from benchmarks.workload import DEFAULT_DATA, build_workload  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 CATEGORIES = ["writing", "coding", "stem", "qa", "math_reasoning", "humanities"]
 SIZES = (0, 16384, 8192, 4096, 2048, 1024)  # 0: the full vocabulary (no subset)

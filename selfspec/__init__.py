@@ -7,7 +7,7 @@
     print(spec.last_stats)
 """
 
-from .adapter import supported_model_types
+from .registry import supported_model_types
 from .engine import SelfSpecModel, wrap
 from .plan import DraftPlan
 from .stats import GenerationStats

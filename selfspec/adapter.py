@@ -1,11 +1,12 @@
-"""Per-architecture adapters: where a model's parts live and how a layer is called.
+"""One architecture family's adapter: where a model's parts live and how a layer is called.
 
 An adapter is a small declarative TOML file in `adapters/` (shipped inside the
 wheel as `selfspec/adapters/`; `adapters/README.md` documents every key). This
-module reads those files, picks the one whose `model_types` contains the
-model's `config.model_type`, and binds it to a model as `ModelParts`: the
-modules found by attribute path, plus what the adapter says to read from the
-config (per-layer sliding windows and layer types, the final-logit soft cap).
+module reads one such file into an `Adapter` and binds it to a model as
+`ModelParts` (`parts.py`): the modules found by attribute path, plus what the
+adapter says to read from the config (per-layer sliding windows and layer
+types, the final-logit soft cap) and the layer calling convention. Which
+adapter fits a model is the registry's decision (`registry.py`).
 
 Family quirks are named options of the adapter, each handled by one mechanism
 in `runner.py` or `layer_call.py`, never by a family name in the decode loop:
@@ -21,24 +22,21 @@ in `runner.py` or `layer_call.py`, never by a family name in the decode loop:
 - `requires`: config values the adapter was written for (anything else is
   refused with a clear error rather than run wrongly).
 
-A model whose `model_type` has no adapter may still be run through the
-generic adapter of `generic.py`, but only after it passes a self-check.
-
 This module does not know how to run a layer (see `layer_call.py`) nor what a
 plan means (see `plan.py`). It never modifies the model.
 """
 
 from __future__ import annotations
 
-import functools
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
+from .layer_call import layer_call
+from .parts import ModelParts, text_config
 from .plan import DraftPlan
 
 ADDING_AN_ADAPTER = (
@@ -59,12 +57,6 @@ _SECTIONS = {
     "logits": {"softcap"},
 }
 _TOP_LEVEL = {"name", "model_types", "default_plan", "tuned_plans", "requires", *_SECTIONS}
-
-
-def text_config(config: Any) -> Any:
-    """The config of the text decoder: the config itself, or e.g. Gemma 3's `text_config`."""
-    get = getattr(config, "get_text_config", None)
-    return get() if callable(get) else config
 
 
 @dataclass(frozen=True)
@@ -158,6 +150,7 @@ class Adapter:
             windows=tuple(self._windows(config, kinds, num_layers)),
             logit_softcap=float(softcap) if softcap else None,
             attn_implementation=getattr(config, "_attn_implementation", None) or "sdpa",
+            layer_call=layer_call(self.layer_call),
         )
 
     def check_config(self, config: Any) -> None:
@@ -226,79 +219,3 @@ def _rope_types(config: Any) -> list[str]:
         return [params["rope_type"]]
     # One set of parameters per layer type (Gemma 3).
     return [p["rope_type"] for p in params.values() if isinstance(p, dict) and "rope_type" in p]
-
-
-@dataclass(frozen=True)
-class ModelParts:
-    """The modules of one model that the engine calls, and its attention layout, found through an adapter."""
-
-    embed: nn.Module
-    layers: nn.ModuleList
-    norm: nn.Module
-    lm_head: nn.Module
-    rotary: nn.Module | None
-    position_embed: nn.Module | None = None  # learned absolute positions, added to the token embeddings
-    rotary_kinds: tuple[str | None, ...] = ()  # per layer: the layer type passed to the rotary module, or None
-    windows: tuple[int | None, ...] = ()  # per layer: sliding-window length, or None for global attention
-    logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
-    attn_implementation: str = "sdpa"
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.lm_head.parameters()).dtype
-
-
-def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """Final-logit soft-capping (Gemma 2): cap * tanh(logits / cap), in the dtype given; identity without a cap."""
-    return logits if cap is None else torch.tanh(logits / cap) * cap
-
-
-def adapter_dirs() -> list[Path]:
-    """Where adapter files live: inside the installed package, or in the source tree."""
-    here = Path(__file__).resolve().parent
-    return [d for d in (here / "adapters", here.parent / "adapters") if d.is_dir()]
-
-
-@functools.cache
-def all_adapters() -> tuple[Adapter, ...]:
-    found: dict[str, Adapter] = {}
-    for folder in adapter_dirs():
-        for path in sorted(folder.glob("*.toml")):
-            adapter = Adapter.from_toml(path)
-            found.setdefault(adapter.name, adapter)
-    return tuple(found.values())
-
-
-def supported_model_types() -> list[str]:
-    return sorted(t for a in all_adapters() for t in a.model_types)
-
-
-def unsupported_message(model: nn.Module, reason: str = "") -> str:
-    """The error for a model no adapter fits: its type, the supported types, and how to add one."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    because = f" {reason}" if reason else ""
-    return (
-        f"unsupported architecture: model_type={model_type!r} ({type(model).__name__}) has no selfspec adapter.{because} "
-        f"Supported model types: {', '.join(supported_model_types())}. {ADDING_AN_ADAPTER}"
-    )
-
-
-def adapter_for(model: nn.Module) -> Adapter:
-    """The adapter for `model`'s architecture.
-
-    A `model_type` without an adapter gets the generic decoder adapter only when
-    the model has the common layout and passes the generic self-check (with a
-    warning saying so); otherwise a ValueError lists the supported types and
-    says how to add one.
-    """
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    for adapter in all_adapters():
-        if model_type in adapter.model_types:
-            return adapter
-    from .generic import checked_generic_adapter  # generic.py runs the engine's runner, which imports this module
-
-    return checked_generic_adapter(model)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from .adapter import ModelParts, text_config
+from .parts import ModelParts, text_config
 
 ARTIFACT_FORMAT = "selfspec.artifact/1"
 FINGERPRINT_ROWS = 64

@@ -19,15 +19,19 @@ from dataclasses import dataclass
 
 import torch
 
-from .adapter import Adapter, ModelParts, adapter_for, text_config
-from .draft import AdaptivePolicy, Drafter
+from .acceptance import accept_greedy, accept_sampling
+from .adapter import Adapter
+from .draft import Drafter
 from .head import ExitHead, load_head
 from .hf_generation import GenerationSettings, resolve_settings
+from .parts import ModelParts, text_config
+from .passes import TargetPasses
 from .plan import DraftPlan
+from .policy import AdaptivePolicy
+from .registry import adapter_for
 from .runner import LayerRunner
 from .scoring import Scorer
 from .stats import GenerationStats
-from .verify import verify_greedy, verify_sampling
 from .vocab import DraftVocab, load_vocab
 
 
@@ -69,6 +73,7 @@ class SelfSpecModel:
             self.vocab = load_vocab(plan.draft_vocab, plan.draft_vocab_size, model=model, parts=self.parts)
         # Drafter validates the plan against the model (layer indices, the head's exit).
         self.drafter = Drafter(plan, self.parts.num_layers, head=self.head, vocab=self.vocab)
+        self.passes = TargetPasses(self.parts.num_layers, exact_prefix=self.drafter.exact_prefix, head=self.head)
         self.last_stats: GenerationStats | None = None
 
     def __repr__(self) -> str:
@@ -129,22 +134,16 @@ class SelfSpecModel:
     def _decode(
         self, prompt: list[int], settings: GenerationSettings, streamer, generator
     ) -> tuple[list[int], GenerationStats]:
-        runner = LayerRunner(
-            self.parts,
-            self.adapter,
-            self.model.config,
-            capacity=len(prompt) + settings.max_new_tokens + self.plan.draft_length + 1,
-            device=self.parts.lm_head.weight.device,
-            head=self.head,
-        )
+        capacity = len(prompt) + settings.max_new_tokens + self.plan.draft_length + 1
+        runner = LayerRunner(self.parts, capacity=capacity, head=self.head)
         scorer = Scorer(settings, generator)
         out = Output(prompt, settings, streamer)
         policy = AdaptivePolicy(self.plan)
         stats = GenerationStats(plan=self.describe_plan())
-        clock = Clock(runner.positions.device)
+        clock = Clock(self.parts.device)
 
         # Prefill: the prompt through every layer; its last row gives the first new token.
-        first_scores = scorer.scores(self.drafter.prefill(runner, prompt), out.tokens, len(out.tokens))
+        first_scores = scorer.scores(self.passes.prefill(runner, prompt), out.tokens, len(out.tokens))
         out.emit([scorer.target_choice(first_scores)])
         stats.verify_passes += 1
         stats.prefill_seconds = clock.lap()
@@ -154,20 +153,20 @@ class SelfSpecModel:
             budget = min(self.plan.draft_length, out.remaining - 1)
             # 1. draft (an n-gram match, else the plan's layers unless the policy paused them)
             draft = self.drafter.propose(
-                runner, scorer, out.tokens, budget, policy.threshold, use_layers=not policy.paused
+                runner, scorer, out.tokens, budget, policy.threshold, use_layers=policy.budget() > 0
             )
             draft_seconds = clock.lap()
             # 2. verify: one pass of the target over the last token and the draft
-            checked = self.drafter.verify_pass(runner, out.tokens[-1], draft, start)
+            checked = self.passes.verify(runner, out.tokens[-1], draft, start)
             scores = scorer.scores(checked.logits, out.tokens + draft.tokens, len(out.tokens))  # [k+1, vocab]
             # 3. accept
             if settings.do_sample:
-                verdict = verify_sampling(draft.tokens, draft.probs, scorer.probs(scores), generator)
+                verdict = accept_sampling(draft.tokens, draft.probs, scorer.probs(scores), generator)
             else:
-                verdict = verify_greedy(draft.tokens, scores)
+                verdict = accept_greedy(draft.tokens, scores)
             # 4. roll back: keep the entries of the last token and of the accepted drafted tokens
             runner.cache.crop(start + 1 + verdict.accepted)
-            self.drafter.fill_head(runner, checked, start, start + 1 + verdict.accepted)
+            self.passes.fill_head(runner, checked, start, start + 1 + verdict.accepted)
             verify_seconds = clock.lap()
             # 5. emit (stops at EOS, a stopping criterion or max_new_tokens)
             out.emit(draft.tokens[: verdict.accepted] + [verdict.next_token])

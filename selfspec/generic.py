@@ -3,12 +3,13 @@
 Many fine-tunes reuse a known layout under a new `model_type`. When a model has
 the common decoder layout (`model.embed_tokens`, a `model.layers` list, `model.norm`,
 `lm_head`, optionally `model.rotary_emb`) and no sliding-window attention, selfspec
-may run it with `GENERIC`, but never on a guess: `checked_generic_adapter` first
+may run it with `GENERIC`, but never on a guess: `generic_problem` first
 runs a self-check, one prefill plus one draft-and-verify round through the
 engine's runner on the shared cache, and compares the logits with one plain
 forward pass of the model. Only when they agree (to a tolerance set by the
-dtype) is the generic adapter used, with a `GenericAdapterWarning`; otherwise
-the ValueError lists the supported model types and says how to add an adapter.
+dtype) may the registry (`registry.py`) use the generic adapter, with a
+`GenericAdapterWarning`; otherwise its error lists the supported model types
+and says how to add an adapter.
 
 `self_check` is also usable on any adapter (the tests run it on every family).
 
@@ -19,14 +20,15 @@ layer call) fails the check and needs an adapter file.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .adapter import Adapter, adapter_dirs, text_config, unsupported_message
+from .adapter import Adapter
 from .draft import Drafter
+from .parts import text_config
+from .passes import TargetPasses
 from .plan import DraftPlan
 from .runner import LayerRunner
 
@@ -107,15 +109,16 @@ def _self_check(model: nn.Module, adapter: Adapter) -> SelfCheck:
     # after it); the last layer's draft entries are written, then dropped.
     plan = DraftPlan(layers=sorted({0, num_layers - 1}), draft_length=CHECK_DRAFT_LENGTH)
     drafter = Drafter(plan, num_layers)
+    passes = TargetPasses(num_layers, exact_prefix=drafter.exact_prefix)
     k = CHECK_DRAFT_LENGTH
-    runner = LayerRunner(parts, adapter, model.config, capacity=len(prompt) + k + 2, device=device)
+    runner = LayerRunner(parts, capacity=len(prompt) + k + 2, device=device)
 
     prefill = runner.logits(runner.run(runner.embed(prompt, 0), range(num_layers), 0))  # [P, vocab]
     tokens = prompt + [int(prefill[-1].argmax())]
     start = len(tokens) - 1
     draft = drafter.propose(runner, _Greedy(), tokens, k, None)
     # The verify pass, as the engine runs it: it resumes after layer 0 from the draft's saved states.
-    verify = drafter.verify_pass(runner, tokens[-1], draft, start).logits  # [k+1, vocab]
+    verify = passes.verify(runner, tokens[-1], draft, start).logits  # [k+1, vocab]
 
     ids = torch.tensor([tokens + draft.tokens], device=device)
     reference = model(input_ids=ids, use_cache=False).logits[0].float()  # [P+1+k, vocab]
@@ -141,31 +144,17 @@ class _Greedy:
         return int(scores[0].argmax()), None, None
 
 
-def checked_generic_adapter(model: nn.Module) -> Adapter:
-    """`GENERIC` for `model` if it has the common layout and passes `self_check`; else the ValueError."""
+def generic_problem(model: nn.Module) -> tuple[str | None, str]:
+    """Why `GENERIC` may not run `model` (None when it may), and the self-check's detail."""
     problem = layout_problem(model)
     if problem is not None:
-        raise ValueError(unsupported_message(model, f"The generic decoder adapter cannot be used: {problem}."))
+        return f"The generic decoder adapter cannot be used: {problem}.", ""
     if model.training:
-        raise ValueError(
-            unsupported_message(model, "The generic adapter's self-check needs the model in eval mode (call model.eval()).")
-        )
+        return "The generic adapter's self-check needs the model in eval mode (call model.eval()).", ""
     check = self_check(model, GENERIC)
     if not check.passed:
-        raise ValueError(
-            unsupported_message(
-                model,
-                f"It has the common decoder layout, but the generic adapter failed its self-check: {check.detail}.",
-            )
+        return (
+            f"It has the common decoder layout, but the generic adapter failed its self-check: {check.detail}.",
+            check.detail,
         )
-    model_type = getattr(model.config, "model_type", None)
-    where = adapter_dirs()[0] if adapter_dirs() else "adapters"
-    warnings.warn(
-        f"selfspec: model_type={model_type!r} has no adapter; using the generic decoder adapter "
-        f"(model.embed_tokens, model.layers, model.norm, lm_head), which passed its self-check ({check.detail}). "
-        f"To make this explicit, add {model_type!r} to the model_types of the matching file in {where}/ "
-        f"or add a new adapter file (see adapters/README.md).",
-        GenericAdapterWarning,
-        stacklevel=4,  # the caller of selfspec.wrap
-    )
-    return GENERIC
+    return None, check.detail

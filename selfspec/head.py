@@ -26,7 +26,7 @@ import os
 import torch
 from torch import nn
 
-from .adapter import ModelParts
+from .parts import ModelParts
 from .artifacts import load_artifact, model_identity, save_artifact
 
 KIND = "exit_head"

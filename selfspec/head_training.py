@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn import functional as F
 
-from .adapter import Adapter, ModelParts, soft_cap
+from .parts import ModelParts, soft_cap
 from .head import ExitHead
 from .runner import LayerRunner
 
@@ -92,9 +92,9 @@ def text_sequences(tokenizer, text: str, *, length: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def features(parts: ModelParts, adapter: Adapter, config, sequence: list[int], exit_layer: int) -> Features:
+def features(parts: ModelParts, sequence: list[int], exit_layer: int) -> Features:
     device = parts.lm_head.weight.device
-    runner = LayerRunner(parts, adapter, config, capacity=len(sequence), device=device)
+    runner = LayerRunner(parts, capacity=len(sequence), device=device)
     exit_states = runner.run(runner.embed(sequence, 0), range(exit_layer), 0)  # [1, T, hidden]
     last = runner.run(exit_states, range(exit_layer, parts.num_layers), 0)
     return Features(exit_states[0].float().cpu(), parts.norm(last)[0].float().cpu())
@@ -104,33 +104,33 @@ def _logits(parts: ModelParts, normed: torch.Tensor) -> torch.Tensor:
     return soft_cap(parts.lm_head(normed).float(), parts.logit_softcap)
 
 
-def _head_states(head: ExitHead, parts: ModelParts, adapter: Adapter, config, exit_states: torch.Tensor):
+def _head_states(head: ExitHead, parts: ModelParts, exit_states: torch.Tensor):
     """The head's output `[1, T, hidden]`, computed as the engine computes it (through `LayerRunner`)."""
-    runner = LayerRunner(parts, adapter, config, capacity=exit_states.shape[0],
+    runner = LayerRunner(parts, capacity=exit_states.shape[0],
                          device=exit_states.device, head=head)
     return runner.run(exit_states[None], [head.slot], 0)
 
 
-def agreement(head: ExitHead | None, parts: ModelParts, adapter: Adapter, config, data: Sequence[Features]) -> float:
+def agreement(head: ExitHead | None, parts: ModelParts, data: Sequence[Features]) -> float:
     """Top-1 agreement with the target over `data`, for the head (or for the bare exit when `head` is None)."""
     same = total = 0
     with torch.no_grad():
         for f in data:
             target = _logits(parts, f.final_normed).argmax(-1)
-            states = f.exit_states[None] if head is None else _head_states(head, parts, adapter, config, f.exit_states)
+            states = f.exit_states[None] if head is None else _head_states(head, parts, f.exit_states)
             draft = _logits(parts, parts.norm(states.to(parts.lm_head.weight.dtype))[0]).argmax(-1)
             same += int((draft == target).sum())
             total += len(target)
     return same / max(1, total)
 
 
-def train(head: ExitHead, parts: ModelParts, adapter: Adapter, config, train_data: Sequence[Features],
+def train(head: ExitHead, parts: ModelParts, train_data: Sequence[Features],
           eval_data: Sequence[Features], *, epochs: float, minutes: float, lr: float, seed: int = 0,
           eval_every: int = 50, progress=None) -> TrainingLog:
     """Fit `head` (float32, trainable) to KL(p || q) on `train_data`; returns the loss and agreement curve."""
     torch.manual_seed(seed)
     log = TrainingLog(tokens=sum(len(f.exit_states) for f in train_data))
-    log.exit_agreement = agreement(None, parts, adapter, config, eval_data)
+    log.exit_agreement = agreement(None, parts, eval_data)
     total_steps = max(1, int(epochs * len(train_data)))
     warmup = max(1, total_steps // 20)
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
@@ -148,7 +148,7 @@ def train(head: ExitHead, parts: ModelParts, adapter: Adapter, config, train_dat
         f = train_data[order.pop()]
         with torch.no_grad():
             log_p = F.log_softmax(_logits(parts, f.final_normed), dim=-1)  # [T, V]
-        states = _head_states(head, parts, adapter, config, f.exit_states)  # [1, T, hidden]
+        states = _head_states(head, parts, f.exit_states)  # [1, T, hidden]
         log_q = F.log_softmax(_logits(parts, parts.norm(states)[0]), dim=-1)  # [T, V]
         loss = F.kl_div(log_q, log_p, log_target=True, reduction="batchmean")
         optimizer.zero_grad(set_to_none=True)
@@ -163,7 +163,7 @@ def train(head: ExitHead, parts: ModelParts, adapter: Adapter, config, train_dat
         out_of_time = time.perf_counter() - began > minutes * 60
         if (step + 1) % eval_every == 0 or step + 1 == total_steps or out_of_time:
             log.eval_steps.append(step + 1)
-            log.eval_agreement.append(agreement(head, parts, adapter, config, eval_data))
+            log.eval_agreement.append(agreement(head, parts, eval_data))
         if out_of_time:
             break
     log.seconds = time.perf_counter() - began

@@ -21,7 +21,7 @@ A trained exit head (`head.py`) is one more layer: index N (the model's layer
 count) in `layers` and in the cache, with the window and rotary kind of the
 layer it was copied from.
 
-It knows positions, masks and layer calling conventions (`layer_call.py`);
+It knows positions, masks and the layer calling convention the parts name;
 it does not know plans, acceptance or sampling.
 """
 
@@ -29,20 +29,17 @@ from __future__ import annotations
 
 import torch
 
-from .adapter import Adapter, ModelParts, soft_cap
 from .cache import SharedKVCache
-from .layer_call import layer_call
+from .parts import ModelParts, soft_cap
 from .vocab import DraftVocab
 
 
 class LayerRunner:
-    def __init__(
-        self, parts: ModelParts, adapter: Adapter, config, *, capacity: int, device: torch.device, head=None
-    ):
-        # `config` is accepted for the engine's call; the layout was read from it by `adapter.bind`.
+    def __init__(self, parts: ModelParts, *, capacity: int, device: torch.device | None = None, head=None):
+        device = parts.device if device is None else device
         self.parts = parts
         self.layers = list(parts.layers)
-        self.call = layer_call(adapter.layer_call)
+        self.call = parts.layer_call
         self.dtype = parts.dtype
         self.bool_masks = parts.attn_implementation == "sdpa"
         self.windows = list(parts.windows) or [None] * parts.num_layers

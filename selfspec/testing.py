@@ -123,10 +123,10 @@ def random_prompt(length: int, vocab: int = COMMON["vocab_size"], seed: int = 0)
 
 def make_head(model, path, *, exit_layer: int, source_layer: int | None = None, noise: float = 0.0, seed: int = 0):
     """Save an (untrained) exit head for `model`: a copy of `source_layer`, its weights perturbed by `noise`."""
-    from selfspec.adapter import adapter_for
+    from selfspec.registry import model_parts
     from selfspec.head import ExitHead, save_head
 
-    parts = adapter_for(model).bind(model)
+    parts = model_parts(model)
     head = ExitHead.from_model(parts, exit_layer=exit_layer, source_layer=source_layer)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -137,10 +137,10 @@ def make_head(model, path, *, exit_layer: int, source_layer: int | None = None, 
 
 def make_vocab(model, path, *, seed: int = 0):
     """Save a draft vocabulary for `model` counted on random sequences (skewed, so the order matters)."""
-    from selfspec.adapter import adapter_for
+    from selfspec.registry import model_parts
     from selfspec.vocab import count_tokens, save_vocab
 
-    parts = adapter_for(model).bind(model)
+    parts = model_parts(model)
     vocab = parts.lm_head.weight.shape[0]
     g = torch.Generator().manual_seed(seed)
     weights = torch.rand(vocab, generator=g) ** 4

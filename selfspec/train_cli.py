@@ -100,13 +100,12 @@ def _load(args):
     import torch
 
     import selfspec
-    from .adapter import adapter_for
+    from .registry import model_parts
 
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = selfspec.load(args.model, dtype="float32", device=args.device)
-    adapter = adapter_for(model)
-    return model, tokenizer, adapter, adapter.bind(model)
+    return model, tokenizer, model_parts(model)
 
 
 def run_count_vocab(args) -> int:
@@ -130,10 +129,10 @@ def run_train_head(args) -> int:
     from .vocab import count_tokens, save_vocab
 
     began = time.perf_counter()
-    model, tokenizer, adapter, parts = _load(args)
+    model, tokenizer, parts = _load(args)
     sequences, answers, source = _sequences(args, model, tokenizer)
     generated = time.perf_counter() - began
-    data = [features(parts, adapter, model.config, s, args.exit_layer)
+    data = [features(parts, s, args.exit_layer)
             for s in tqdm(sequences, desc="target features", unit="seq", file=sys.stderr)]
     split = max(1, int(len(data) * args.eval_fraction))
     eval_data, train_data = data[:split], data[split:]
@@ -146,7 +145,7 @@ def run_train_head(args) -> int:
             bar.update()
             bar.set_postfix(loss=f"{loss:.3f}")
 
-        log = train(head, parts, adapter, model.config, train_data, eval_data, epochs=args.epochs,
+        log = train(head, parts, train_data, eval_data, epochs=args.epochs,
                     minutes=args.minutes, lr=args.lr, seed=args.seed, progress=step)
     head.eval().requires_grad_(False)
 
@@ -168,7 +167,7 @@ def run_train_head(args) -> int:
     curve = out.parent / f"{out.name}.curve.png"
     has_curve = plot(log, curve)
     with torch.no_grad():
-        final = log.eval_agreement[-1] if log.eval_agreement else agreement(head, parts, adapter, model.config, eval_data)
+        final = log.eval_agreement[-1] if log.eval_agreement else agreement(head, parts, eval_data)
     print(json.dumps({k: training[k] for k in ("seconds", "tokens", "exit_agreement", "final_loss")}))
     print(f"held-out top-1 agreement with the target: {final:.1%} with the head, "
           f"{log.exit_agreement:.1%} for the same exit without it")

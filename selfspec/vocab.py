@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from .adapter import ModelParts, soft_cap
+from .parts import ModelParts, soft_cap
 from .artifacts import load_artifact, model_identity, save_artifact
 
 KIND = "draft_vocab"

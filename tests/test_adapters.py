@@ -26,7 +26,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import selfspec
-from selfspec.adapter import Adapter, adapter_for, all_adapters, supported_model_types
+from selfspec.adapter import Adapter
+from selfspec.registry import adapter_for, all_adapters, supported_model_types
 from selfspec.generic import GenericAdapterWarning, self_check
 from plan_strategies import assert_same, plans
 from selfspec.testing import COMMON, TINY_CONFIGS, has_window, random_prompt, tiny_model

@@ -9,16 +9,12 @@ stops early (never a near-tie).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-sys.path.append(str(Path(__file__).resolve().parent.parent))  # for `benchmarks`; an installed selfspec still comes first
-
-from benchmarks import report  # noqa: E402
-from benchmarks.measure import Row  # noqa: E402
+from benchmarks import report
+from benchmarks.measure import Row
 
 VOCAB = 8
 

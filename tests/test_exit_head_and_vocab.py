@@ -22,7 +22,7 @@ import torch
 
 import selfspec
 from plan_strategies import assert_same
-from selfspec.adapter import adapter_for
+from selfspec.registry import adapter_for
 from selfspec.artifacts import load_artifact
 from selfspec.head import load_head
 from selfspec.vocab import load_vocab

@@ -13,7 +13,7 @@ import torch
 
 import selfspec
 from plan_strategies import assert_same
-from selfspec.adapter import adapter_for
+from selfspec.registry import adapter_for
 from selfspec.head import ExitHead, save_head
 from selfspec.head_training import agreement, features, train
 from selfspec.testing import random_prompt, tiny_model
@@ -27,12 +27,12 @@ def test_training_lowers_kl_and_raises_agreement(tmp_path):
     # The target labels its own greedy continuations of random prompts.
     sequences = [model.generate(random_prompt(6, seed=s), do_sample=False, max_new_tokens=26)[0].tolist()
                  for s in range(64)]
-    data = [features(parts, adapter, model.config, seq, exit_layer=2) for seq in sequences]
+    data = [features(parts, seq, exit_layer=2) for seq in sequences]
     assert data[0].exit_states.shape == (32, 32) and data[0].final_normed.shape == (32, 32)
     train_data, eval_data = data[8:], data[:8]
     head = ExitHead.from_model(parts, exit_layer=2).float().requires_grad_(True)
-    untrained = agreement(head, parts, adapter, model.config, eval_data)
-    log = train(head, parts, adapter, model.config, train_data, eval_data, epochs=4, minutes=5, lr=1e-2, eval_every=50)
+    untrained = agreement(head, parts, eval_data)
+    log = train(head, parts, train_data, eval_data, epochs=4, minutes=5, lr=1e-2, eval_every=50)
     early, late = sum(log.losses[:10]) / 10, sum(log.losses[-10:]) / 10
     assert late < 0.8 * early, (early, late)
     assert log.eval_agreement[-1] > max(untrained, log.exit_agreement) + 0.05, (untrained, log.exit_agreement, log.eval_agreement)

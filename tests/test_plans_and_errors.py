@@ -9,7 +9,7 @@ import torch
 import transformers
 
 import selfspec
-from selfspec.adapter import all_adapters
+from selfspec.registry import all_adapters
 from selfspec.testing import random_prompt, tiny_model
 
 

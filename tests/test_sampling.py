@@ -2,7 +2,7 @@
 
 What is tested
 --------------
-1. `verify_sampling` alone: the first emitted token (the drafted token if
+1. `accept_sampling` alone: the first emitted token (the drafted token if
    accepted, else the recovered one) is distributed as p, for several (p, q)
    pairs, including q = 0 where p > 0, p = 0 where q > 0, one-hot drafts and
    p == q; a multi-round loop on a synthetic Markov chain (k = 3) checks the
@@ -66,7 +66,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 import selfspec
 import selfspec.engine
-from selfspec.verify import Verdict, sample, verify_sampling
+from selfspec.acceptance import Verdict, accept_sampling, sample
 from selfspec.testing import make_head, make_vocab
 
 DELTA = 1e-7  # false-failure probability bound of one `assert_distribution` check
@@ -128,7 +128,7 @@ def detection_radius(p: torch.Tensor, n: int) -> torch.Tensor:
     return torch.sqrt(2 * c * p * (1 - p) / n) + c / n
 
 
-# -- 1. verify_sampling alone ----------------------------------------------------------------
+# -- 1. accept_sampling alone ----------------------------------------------------------------
 
 V_UNIT = 8
 N_UNIT = 20_000
@@ -195,11 +195,11 @@ def first_token_counts(rule, p: torch.Tensor, q: torch.Tensor, n: int, seed: int
 
 
 @pytest.mark.parametrize("name", list(PAIRS))
-def test_verify_sampling_first_token_follows_p(name):
+def test_accept_sampling_first_token_follows_p(name):
     """6 checks (one per pair) at DELTA = 1e-7 each, N = 20,000 rounds per pair."""
     p, q = PAIRS[name]
-    counts = first_token_counts(verify_sampling, p, q, N_UNIT, seed=1)
-    assert_distribution(counts, p, f"verify_sampling, pair {name!r}")
+    counts = first_token_counts(accept_sampling, p, q, N_UNIT, seed=1)
+    assert_distribution(counts, p, f"accept_sampling, pair {name!r}")
 
 
 def _wrong_law(rule, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -230,11 +230,11 @@ def test_wrong_rules_fail_the_same_check(rule):
     assert tested >= 3, f"{rule.__name__}: too few pairs far enough from p to show power ({tested})"
 
 
-def test_verify_sampling_multi_round_markov_chain():
+def test_accept_sampling_multi_round_markov_chain():
     """Speculative loop with k=3 on a Markov chain: the joint law of 3 emitted tokens is the target's.
 
     Target p(.|prev) and draft q(.|prev) are random transition tables over V=4 tokens (q has zeros
-    where p has not and vice versa); each round drafts 3 tokens from q, calls `verify_sampling` with
+    where p has not and vice versa); each round drafts 3 tokens from q, calls `accept_sampling` with
     the conditional rows, emits accepted + next token; this exercises rows i > 0, residuals at
     i > 0 and bonus tokens. 4 checks (joint of 64 cells, 3 marginals) at DELTA = 1e-7, N = 8,000.
     """
@@ -259,7 +259,7 @@ def test_verify_sampling_multi_round_markov_chain():
                 prev = drafts[-1] if drafts else out[-1]
                 drafts.append(min(bisect.bisect_right(cdfs[prev], next(uniforms)), last[prev]))
             prevs = [out[-1]] + drafts
-            verdict = verify_sampling(drafts, Q[prevs[:k]], P[prevs], g)
+            verdict = accept_sampling(drafts, Q[prevs[:k]], P[prevs], g)
             out += drafts[: verdict.accepted] + [verdict.next_token]
         seen[tuple(out[1 : length + 1])] += 1
     counts = torch.zeros((v,) * length, dtype=torch.long)
@@ -407,7 +407,7 @@ def test_end_to_end_check_has_power(model, monkeypatch):
     """An engine that always accepts its draft must fail the same end-to-end check, even at N = 400 runs."""
     plan, sampling, warpers = CASES["T=1, exit_layer=2, k=3"]
     exact = exact_joint(model, warpers, NEW)
-    monkeypatch.setattr(selfspec.engine, "verify_sampling", always_accept)
+    monkeypatch.setattr(selfspec.engine, "accept_sampling", always_accept)
     counts, totals = run_many(selfspec.wrap(model, plan=plan), 400, seed=11, **sampling)
     assert totals["accepted"] == totals["drafted"] > 0
     with pytest.raises(AssertionError, match="differs from the exact one"):

@@ -17,7 +17,7 @@ from selfspec.testing import random_prompt, tiny_model
 
 import selfspec
 from selfspec import DraftPlan
-from selfspec.adapter import adapter_for
+from selfspec.registry import adapter_for
 from selfspec.tune_cli import add_tune_arguments, format_command
 from selfspec.tuning import (
     Agreement,

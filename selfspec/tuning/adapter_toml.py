@@ -10,7 +10,7 @@ import json
 import math
 from typing import Any
 
-from ..adapter import text_config
+from ..parts import text_config
 from ..plan import DraftPlan
 
 

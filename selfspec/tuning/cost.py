@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..adapter import adapter_for, text_config
+from ..parts import text_config
+from ..registry import model_parts
 from ..runner import LayerRunner
 
 
@@ -92,12 +93,11 @@ def measure_cost_model(
     burst of load on a shared machine hits them alike), after a warmup; the
     medians are used. A `context` of earlier tokens sits in the cache.
     """
-    adapter = adapter_for(model)
-    parts = adapter.bind(model)
+    parts = model_parts(model)
     num_layers = parts.num_layers
     device = parts.lm_head.weight.device
     q_max = max_draft_length + 1
-    runner = LayerRunner(parts, adapter, model.config, capacity=context + q_max + 1, device=device)
+    runner = LayerRunner(parts, capacity=context + q_max + 1, device=device)
     ids = torch.randint(0, _vocab_size(model), (context + q_max,), generator=torch.Generator().manual_seed(0)).tolist()
     runner.run(runner.embed(ids[:context], 0), range(num_layers), 0)
     inputs = {q: runner.embed(ids[context : context + q], context) for q in range(1, q_max + 1)}

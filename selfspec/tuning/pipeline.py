@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ..adapter import adapter_for
+from ..registry import adapter_for
 from .calibration import make_calibration
 from .confirm import Confirmation, confirm_plans
 from .cost import CostModel, measure_cost_model

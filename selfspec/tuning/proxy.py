@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..adapter import adapter_for
+from ..registry import model_parts
 from ..plan import DraftPlan
 from ..runner import LayerRunner
 from .calibration import CalibrationSequence
@@ -101,8 +101,7 @@ class ProxyEvaluator:
         if context not in self.CONTEXTS:
             raise ValueError(f"context={context!r} is not a proxy context (valid: {', '.join(self.CONTEXTS)})")
         self.model = model
-        self.adapter = adapter_for(model)
-        self.parts = self.adapter.bind(model)
+        self.parts = model_parts(model)
         self.num_layers = self.parts.num_layers
         if cost_model.num_layers != self.num_layers:
             raise ValueError(
@@ -126,7 +125,7 @@ class ProxyEvaluator:
 
     def _trace(self, sequence: CalibrationSequence) -> _Trace:
         tokens = list(sequence.tokens[:-1])  # the last token is never an input
-        runner = LayerRunner(self.parts, self.adapter, self.model.config, capacity=len(tokens), device=self.device)
+        runner = LayerRunner(self.parts, capacity=len(tokens), device=self.device)
         first_row = 0 if self.context == "draft" else sequence.prompt_length
         hidden = runner.embed(tokens, 0)
         states = [hidden[:, first_row:]]
@@ -173,7 +172,7 @@ class ProxyEvaluator:
             hidden = trace.hidden[s]
             if rest:
                 T = len(trace.sequence.tokens)
-                runner = LayerRunner(self.parts, self.adapter, self.model.config, capacity=T - 1, device=self.device)
+                runner = LayerRunner(self.parts, capacity=T - 1, device=self.device)
                 hidden = runner.run(hidden, rest, 0)
             finals.append(hidden[:, trace.sequence.prompt_length :])
         choice, confidence = self._choices(torch.cat(finals, dim=1))
@@ -211,7 +210,7 @@ class ProxyEvaluator:
             for layer in range(self.num_layers)
         }
         # Rotary tables, windows and the layer call for any position of any sequence.
-        self.tables = LayerRunner(self.parts, self.adapter, self.model.config, capacity=max(lengths), device=dev)
+        self.tables = LayerRunner(self.parts, capacity=max(lengths), device=dev)
         for t in traces:  # the flat copies replace them
             t.hidden, t.runner = [], self.tables
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..draft import AdaptivePolicy
+from ..policy import AdaptivePolicy
 from ..plan import DraftPlan
 
 

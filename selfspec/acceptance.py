@@ -1,4 +1,4 @@
-"""Lossless verification: which drafted tokens the target keeps.
+"""The acceptance rule: which drafted tokens the target keeps, losslessly.
 
 Notation, used this way everywhere in selfspec: `p` is the target's
 distribution, `q` the draft's. (Published code uses the letters both ways.)
@@ -32,7 +32,7 @@ class Verdict:
     next_token: int  # the target's own token: recovered (accepted < drafted) or bonus
 
 
-def verify_greedy(draft_tokens: list[int], target_scores: torch.Tensor) -> Verdict:
+def accept_greedy(draft_tokens: list[int], target_scores: torch.Tensor) -> Verdict:
     """`target_scores` `[k+1, vocab]`: row i scores the token after draft position i."""
     choices = target_scores.argmax(dim=-1).tolist()
     accepted = 0
@@ -41,7 +41,7 @@ def verify_greedy(draft_tokens: list[int], target_scores: torch.Tensor) -> Verdi
     return Verdict(accepted, choices[accepted])
 
 
-def verify_sampling(
+def accept_sampling(
     draft_tokens: list[int],
     draft_probs: torch.Tensor,
     target_probs: torch.Tensor,

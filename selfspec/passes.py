@@ -1,0 +1,80 @@
+"""The target's full passes: the prefill, the verify pass, and filling an exit head's cache.
+
+A full pass runs every layer the target has, so what it writes to the cache is
+the target's own. The verify pass runs over the last emitted token and the
+round's draft in one call, reusing what the draft computed exactly: the
+entries of the plan's exact prefix (layers 0..s-1) and the hidden states after
+it, so it resumes at layer s. It returns logits and decides nothing;
+acceptance is `acceptance.py`, the roll back the decode loop's.
+
+With a trained exit head (`head.py`, layer N of the cache) the head's entries
+must cover every verified token: the prefill and the verify pass keep the
+states after layer E-1, and `fill_head` runs the head on the verified tokens
+the draft did not already cover.
+
+This module does not know plans beyond the exact prefix, sampling or stopping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .draft import Draft
+from .head import ExitHead
+from .runner import LayerRunner
+
+
+@dataclass
+class Checked:
+    """What a verify pass computed."""
+
+    logits: torch.Tensor  # [k+1, vocab] target logits
+    exit_states: torch.Tensor | None  # [1, k+1, hidden] states after layer E-1 (only with a head)
+
+
+class TargetPasses:
+    """Full passes of a model with `num_layers` layers, for a draft whose layers 0..exact_prefix-1 are exact."""
+
+    def __init__(self, num_layers: int, *, exact_prefix: int, head: ExitHead | None = None) -> None:
+        self.num_layers = num_layers
+        self.exact_prefix = exact_prefix
+        self.head = head
+
+    def prefill(self, runner: LayerRunner, prompt: list[int]) -> torch.Tensor:
+        """Run the prompt through the target (and the head, to fill its cache); `[1, vocab]` logits of its last row."""
+        hidden = runner.embed(prompt, 0)  # [1, prompt, hidden]
+        rest = range(self.num_layers)
+        if self.head is not None:
+            hidden = runner.run(hidden, range(self.head.exit_layer), 0)
+            runner.run(hidden, [self.head.slot], 0)
+            rest = range(self.head.exit_layer, self.num_layers)
+        return runner.logits(runner.run(hidden, rest, 0)[:, -1:])
+
+    def verify(self, runner: LayerRunner, last_token: int, draft: Draft, start: int) -> Checked:
+        """Target logits `[k+1, vocab]` for the last emitted token (at `start`) and the k drafted tokens."""
+        k = len(draft.tokens)
+        s = self.exact_prefix if k and draft.boundary else 0
+        if s:
+            # The exact prefix already ran for x, d_1..d_{k-1}; only d_k still needs it.
+            tail = runner.run(runner.embed(draft.tokens[-1:], start + k), range(s), start + k)  # [1, 1, hidden]
+            hidden = torch.cat([*draft.boundary, tail], dim=1)  # [1, k+1, hidden]
+        else:
+            hidden = runner.embed([last_token] + draft.tokens, start)  # [1, k+1, hidden]
+        runner.cache.crop(start, layers=range(s, self.num_layers))  # drop the draft's inexact entries
+        exit_states = None
+        if self.head is not None:  # keep the states after layer E-1 for the head's cache
+            exit_layer = self.head.exit_layer
+            hidden = exit_states = runner.run(hidden, range(s, exit_layer), start)  # [1, k+1, hidden]
+            s = exit_layer
+        return Checked(runner.logits(runner.run(hidden, range(s, self.num_layers), start)), exit_states)
+
+    def fill_head(self, runner: LayerRunner, checked: Checked, start: int, keep: int) -> None:
+        """After the roll back to `keep` positions: give the head entries for the verified tokens it lacks."""
+        if self.head is None or checked.exit_states is None:
+            return
+        slot = self.head.slot
+        have = runner.cache.lengths[slot]  # start..keep: the draft's entries are exact (E is the exact prefix)
+        if have < keep:
+            runner.run(checked.exit_states[:, have - start : keep - start], [slot], have)
