@@ -125,6 +125,10 @@ def resolve_settings(
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
         raise ValueError(f"generation_config must be a transformers.GenerationConfig, got {type(generation_config).__name__}")
     kwargs = dict(kwargs)
+    if "max_length" in kwargs and kwargs["max_length"] is None:
+        # transformers 5.24 crashes on an explicit max_length=None (None + int) although it counts it as the
+        # default; we take it as the default it stands for: 20 new tokens.
+        del kwargs["max_length"]
     for name in LENGTH_ARGUMENTS:
         if name in kwargs:
             kwargs[name] = check_length_argument(name, kwargs[name])
