@@ -129,7 +129,8 @@ class SelfSpecModel:
         tokens, self.last_stats = self._decode(prompt, settings, streamer, generator)
         if streamer is not None:
             streamer.end()
-        return torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
+        sequences = torch.tensor([tokens], dtype=torch.long, device=input_ids.device)  # int64, as transformers
+        return settings.output(sequences)  # the tensor, or an object with .sequences (return_dict_in_generate)
 
     def _decode(
         self, prompt: list[int], settings: GenerationSettings, streamer, generator
@@ -218,9 +219,10 @@ class SelfSpecModel:
         if context is None:
             return
         if prompt_length >= context:
+            where = "is longer than" if prompt_length > context else "fills"
             raise ValueError(
-                f"prompt of {prompt_length} tokens fills the model's context of {context} tokens "
-                f"(max_position_embeddings={context}): no token can be generated (valid prompt length: 1..{context - 1})"
+                f"prompt of {prompt_length} tokens {where} the model's context (max_position_embeddings={context}): "
+                f"no token can be generated after it (valid prompt length: 1..{context - 1})"
             )
         if max_new_tokens is not None and prompt_length + max_new_tokens > context:
             raise ValueError(
