@@ -8,7 +8,8 @@ The same search from the command line: `selfspec tune smollm2-135m-instruct --ou
 import torch
 
 import selfspec
-from selfspec.tuning import builtin_prompts, encode_prompts, tune
+from selfspec.prompts import builtin_prompts, encode_prompts
+from selfspec.tuning import TuneConfig, tune
 
 torch.set_num_threads(1)  # on a busy machine one thread is often the fastest; try yours
 model, tokenizer = selfspec.load("smollm2-135m-instruct", dtype="bfloat16")
@@ -23,10 +24,8 @@ result = tune(
     model,
     prompts=prompts,
     heldout=heldout,
-    max_new_tokens=48,
-    budget=150,  # layer sets scored by the fast proxy
-    confirm=3,  # the best 3 are timed against plain decoding
-    name="smollm2-bf16-tuned",
+    # budget: layer sets scored by the fast proxy; confirm: the best 3 are timed against plain decoding
+    config=TuneConfig(max_new_tokens=48, budget=150, confirm=3, name="smollm2-bf16-tuned"),
 )
 print(result.table())
 result.best_plan.save("smollm2-bf16-plan.json")

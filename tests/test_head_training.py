@@ -15,7 +15,7 @@ import selfspec
 from plan_strategies import assert_same
 from selfspec.registry import adapter_for
 from selfspec.head import ExitHead, save_head
-from selfspec.head_training import agreement, features, train
+from selfspec.training import agreement, features, train
 from selfspec.testing import random_prompt, tiny_model
 
 

@@ -18,24 +18,16 @@ from selfspec.testing import random_prompt, tiny_model
 import selfspec
 from selfspec import DraftPlan
 from selfspec.registry import adapter_for
-from selfspec.tune_cli import add_tune_arguments, format_command
-from selfspec.tuning import (
-    Agreement,
-    Candidate,
-    CostModel,
-    Policy,
-    ProxyEvaluator,
-    Simulation,
-    adapter_entry,
-    expected_tokens_per_round,
-    iid_speedup,
-    make_calibration,
-    pareto_front,
-    policy_grid,
-    search,
-    simulate,
-    tune,
-)
+from selfspec.cli.tune import add_arguments as add_tune_arguments
+from selfspec.cli.tune import format_command
+from selfspec.tuning import CostModel, adapter_entry, tune
+from selfspec.tuning.calibration import make_calibration
+from selfspec.tuning.candidate import Candidate
+from selfspec.tuning.cost import expected_tokens_per_round, iid_speedup
+from selfspec.tuning.layer_search import search
+from selfspec.tuning.proxy import ProxyEvaluator
+from selfspec.tuning.replay import Agreement, Policy, Simulation, policy_grid, simulate
+from selfspec.tuning.report import pareto_front
 
 LAYERS = 6  # selfspec.testing.COMMON
 # A made-up cost model (no timing, so the tests are deterministic): 0.1 + 6 * 0.1 + 0.3 == 1.

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from ..engine import wrap
 from ..plan import DraftPlan
-from .prompts import _as_ids
+from ..prompts import as_ids
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ def make_calibration(
     plain = wrap(model, plan=DraftPlan.plain())
     sequences, tokens, seconds = [], 0, 0.0
     for prompt in tqdm(prompts, desc="calibration (plain greedy)", disable=not progress, leave=False):
-        ids = _as_ids(prompt)
+        ids = as_ids(prompt)
         out = plain.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
         sequences.append(CalibrationSequence(tuple(out[0].tolist()), len(ids), max_new_tokens))
         tokens += plain.last_stats.new_tokens

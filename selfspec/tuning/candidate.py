@@ -47,7 +47,7 @@ class Candidate:
         if self.is_early_exit:
             return f"exit after layer {len(self.layers) - 1}"
         skipped = [i for i in range(self.num_layers) if i not in self.layers]
-        return f"skip {_ranges(skipped)}"
+        return f"skip {layer_ranges(skipped)}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -67,8 +67,8 @@ class Candidate:
         }
 
 
-def _ranges(indices: Sequence[int]) -> str:
-    """[3, 4, 5, 9] -> '3-5,9'."""
+def layer_ranges(indices: Sequence[int]) -> str:
+    """[3, 4, 5, 9] -> '3-5,9' ('none' when empty)."""
     parts, run = [], []
     for i in indices:
         if run and i == run[-1] + 1:

@@ -19,7 +19,7 @@ from ..engine import wrap
 from ..plan import DraftPlan
 from ..stats import GenerationStats
 from .candidate import Candidate
-from .prompts import _as_ids
+from ..prompts import as_ids
 from .replay import Simulation
 
 
@@ -82,14 +82,14 @@ def confirm_plans(
     entries = [("plain", DraftPlan.plain())] + [p for p in plans if p[1].drafts]
     wrapped = [wrap(model, plan=plan) for _, plan in entries]
     results = [Confirmation(label, plan) for label, plan in entries]
-    warm = torch.tensor([_as_ids(prompts[0])[:8]])
+    warm = torch.tensor([as_ids(prompts[0])[:8]])
     for spec in wrapped:  # warmup: first calls allocate
         spec.generate(warm, max_new_tokens=4, do_sample=False)
     total = repeats * len(prompts) * len(entries)
     with tqdm(total=total, desc="confirmation (timed)", disable=not progress, leave=False) as bar:
         for repeat in range(repeats):
             for p, prompt in enumerate(prompts):
-                ids = torch.tensor([_as_ids(prompt)])
+                ids = torch.tensor([as_ids(prompt)])
                 reference = None
                 others = list(range(1, len(entries)))
                 shift = (p + repeat) % max(1, len(others))

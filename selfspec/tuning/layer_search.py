@@ -2,8 +2,12 @@
 
 Every optimizer spends a budget of distinct layer sets scored by a
 `ProxyEvaluator`; it knows nothing about how they are scored, and times
-nothing. (Named `layer_search`, not `search`, so that the module does not
-shadow the `search` function the package exports.)
+nothing. The greedy walk drops, one layer at a time, the layer whose removal
+costs the least agreement (tracing the acceptance-versus-cost front), then
+tries random local moves around the best sets. `optimizer="random"` is plain
+random search; `optimizer="optuna"` runs TPE over per-layer keep/skip choices
+(or NSGA-II for the front). (Named `layer_search`, not `search`, so that the
+module's name differs from its `search` function.)
 """
 
 from __future__ import annotations
@@ -45,6 +49,10 @@ class _Budget:
         self.bar.close()
 
 
+OPTIMIZERS = ("greedy", "random", "optuna")
+OPTUNA_SAMPLERS = ("tpe", "nsga2")
+
+
 def search(
     evaluator: ProxyEvaluator,
     *,
@@ -61,8 +69,8 @@ def search(
     Layer-skip sets keep the first and the last layer when `keep_ends`.
     `budget` counts distinct layer sets scored, early exits included.
     """
-    if optimizer not in ("greedy", "random", "optuna"):
-        raise ValueError(f"optimizer={optimizer!r} is not known (valid: greedy, random, optuna)")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is not known (valid: {', '.join(OPTIMIZERS)})")
     if budget < 1:
         raise ValueError(f"budget={budget} out of range (valid: >= 1)")
     optuna = _import_optuna() if optimizer == "optuna" else None
@@ -163,8 +171,8 @@ def _import_optuna():
 
 def _optuna(spend: _Budget, optuna, L: int, keep_ends: bool, seed: int, sampler_name: str) -> None:
     """TPE over per-layer keep/skip (maximising proxy speedup), or NSGA-II for (agreement, draft cost)."""
-    if sampler_name not in ("tpe", "nsga2"):
-        raise ValueError(f"optuna_sampler={sampler_name!r} is not known (valid: tpe, nsga2)")
+    if sampler_name not in OPTUNA_SAMPLERS:
+        raise ValueError(f"optuna_sampler={sampler_name!r} is not known (valid: {', '.join(OPTUNA_SAMPLERS)})")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     ends = [0, L - 1] if keep_ends and L > 1 else []

@@ -1,7 +1,27 @@
-"""The whole search, in order: calibration, cost model, search, exact re-scoring, proxy check, confirmation.
+"""The whole search, in order; `TuneConfig` says how hard to look.
+
+1. **Calibration** (`calibration`): the target's own greedy continuations of
+   the prompts, generated once with the engine's plain path: the tokens a
+   draft must predict.
+2. **Cost model** (`cost`): on this machine and in the model's dtype, the time
+   of one layer and of the LM head on 1..k+1 tokens, as fractions of one plain
+   decoding step.
+3. **Search** (`layer_search`), scored by the acceptance proxy (`proxy`, its
+   rounds replayed in `replay`): early exits, a greedy walk that drops one
+   layer at a time, then local moves (or random search, or optuna).
+4. **Re-scoring**: the best layer sets and the Pareto front, re-scored by the
+   exact proxy, which also picks each one's draft-length policy.
+5. **Proxy check** (`proxy_check`): a few plans run for real, to measure the
+   proxy's error.
+6. **Confirmation** (`confirm`): the best few timed against the plain path on
+   held-out prompts; the fastest measured plan wins.
 
 `tune` runs the steps of the other modules and picks the fastest confirmed
-plan; it holds none of their logic itself.
+plan; it holds none of their logic itself. `report` holds its result.
+
+What the search does not know: sampling (the proxy scores greedy agreement),
+logits processors, batch sizes above 1, anything about the machine beyond
+what it measures here.
 """
 
 from __future__ import annotations
@@ -10,19 +30,73 @@ import dataclasses
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from ..registry import adapter_for
-from .calibration import make_calibration
+from .calibration import CalibrationSequence, make_calibration
+from .candidate import Candidate
 from .confirm import Confirmation, confirm_plans
 from .cost import CostModel, measure_cost_model
-from .layer_search import search
+from .layer_search import OPTIMIZERS, OPTUNA_SAMPLERS, search
 from .proxy import ProxyEvaluator
-from .proxy_check import check_proxy
+from .proxy_check import ProxyCheck, check_proxy
 from .replay import Policy
-from .report import TuneResult, _policy_fields, pareto_front
+from .report import TuneResult, pareto_front
+
+SEARCH_PROXIES = ("target", "rounds")  # ProxyEvaluator contexts the search can use
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """How `tune` searches: every option of the search, validated, and serialisable (`to_dict`).
+
+    `budget`: layer sets the search scores with the `search_proxy` ("target":
+    round starts only, one pass per set; "rounds": exact, slower); the best
+    `rescore` of them and the Pareto front are then re-scored with the exact
+    proxy, which ranks them. `confirm`: how many of the best (by proxy) to
+    time, against the plain path and (with `include_default`) the adapter's
+    current plan. `proxy_check`: how many plans to also run for real on
+    `proxy_check_prompts` calibration prompts, to measure the proxy's error
+    (0 to skip). `name`: the name the chosen plan gets.
+    """
+
+    max_new_tokens: int = 48
+    budget: int = 200
+    optimizer: str = "greedy"
+    optuna_sampler: str = "tpe"
+    search_proxy: str = "target"
+    rescore: int = 24
+    confirm: int = 3
+    confirm_repeats: int = 1
+    proxy_check: int = 6
+    proxy_check_prompts: int = 4
+    max_draft_length: int = 8
+    keep_ends: bool = True
+    seed: int = 0
+    name: str = "tuned"
+    include_default: bool = True
+    cost_repeats: int = 15
+
+    def __post_init__(self) -> None:
+        minimum = dict(max_new_tokens=2, budget=1, rescore=0, confirm=0, confirm_repeats=1, proxy_check=0,
+                       proxy_check_prompts=1, max_draft_length=1, cost_repeats=1, seed=0)
+        for key, low in minimum.items():
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{key} must be an integer, got {value!r}")
+            if value < low:
+                raise ValueError(f"{key}={value} out of range (valid: >= {low})")
+        for key, valid in (("optimizer", OPTIMIZERS), ("optuna_sampler", OPTUNA_SAMPLERS),
+                           ("search_proxy", SEARCH_PROXIES)):
+            if getattr(self, key) not in valid:
+                raise ValueError(f"{key}={getattr(self, key)!r} is not known (valid: {', '.join(valid)})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 def tune(
@@ -30,137 +104,68 @@ def tune(
     *,
     prompts: Sequence[Sequence[int]],
     heldout: Sequence[Sequence[int]] | None = None,
-    max_new_tokens: int = 48,
-    budget: int = 200,
-    optimizer: str = "greedy",
-    optuna_sampler: str = "tpe",
-    search_proxy: str = "target",
-    rescore: int = 24,
-    confirm: int = 3,
-    confirm_repeats: int = 1,
-    proxy_check: int = 6,
-    proxy_check_prompts: int = 4,
-    max_draft_length: int = 8,
-    keep_ends: bool = True,
-    seed: int = 0,
-    name: str = "tuned",
-    include_default: bool = True,
+    config: TuneConfig | None = None,
     cost_model: CostModel | None = None,
-    cost_repeats: int = 15,
     progress: bool = True,
+    **options,
 ) -> TuneResult:
     """Search a plan for `model` on `prompts` (token ids) and confirm the best few by timed runs.
 
     `heldout`: prompts for the timed confirmation (default: `prompts`; held-out
-    prompts keep the choice honest). `budget`: layer sets the search scores
-    with the `search_proxy` ("target": round starts only, one pass per set;
-    "rounds": exact, slower); the best `rescore` of them and the Pareto front
-    are then re-scored with the exact proxy, which ranks them.
-    `confirm`: how many of the best (by proxy) to time, against the plain path
-    and (with `include_default`) the adapter's current plan. `proxy_check`: how
-    many plans to also run for real on `proxy_check_prompts` calibration
-    prompts, to measure the proxy's error (0 to skip).
+    prompts keep the choice honest). `config`: the search's options
+    (`TuneConfig`); `options` replace single fields of it, so
+    `tune(model, prompts=p, budget=50)` works too. `cost_model`: a measured
+    cost model to reuse instead of measuring one.
     """
+    config = dataclasses.replace(config or TuneConfig(), **options)
     if not prompts:
         raise ValueError("tune needs at least one prompt")
-    if max_new_tokens < 2:
-        raise ValueError(f"max_new_tokens={max_new_tokens} out of range (valid: >= 2)")
-    timings: dict[str, float] = {}
-    clock = time.perf_counter()
+    say, laps = _sayer(progress), _Laps()
 
-    def lap(name_: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        timings[name_] = now - clock
-        clock = now
-
-    say = _sayer(progress)
-    calibration, plain_speed = make_calibration(model, prompts, max_new_tokens=max_new_tokens, progress=progress)
+    calibration, plain_speed = make_calibration(model, prompts, max_new_tokens=config.max_new_tokens,
+                                                progress=progress)
     tokens = sum(s.generated for s in calibration)
     say(f"calibration: {len(calibration)} prompts, {tokens} target tokens, plain path {plain_speed:.2f} tok/s")
-    lap("calibration")
+    laps.lap("calibration")
+
     if cost_model is None:
-        cost_model = measure_cost_model(
-            model, max_draft_length=max_draft_length, repeats=cost_repeats, progress=progress
-        )
+        cost_model = measure_cost_model(model, max_draft_length=config.max_draft_length,
+                                        repeats=config.cost_repeats, progress=progress)
     say(f"cost model: {cost_model.summary()}")
-    lap("cost_model")
-    evaluator = ProxyEvaluator(model, calibration, cost_model, context=search_proxy)
-    candidates = search(
-        evaluator,
-        optimizer=optimizer,
-        budget=budget,
-        seed=seed,
-        keep_ends=keep_ends,
-        optuna_sampler=optuna_sampler,
-        progress=progress,
-    )
-    lap("search")
-    if search_proxy == "rounds":
-        exact, ranked = evaluator, candidates
-    else:
-        # The search proxy ranks layer sets; the exact one re-scores the best few (and the front)
-        # and picks each one's draft-length policy.
-        exact = ProxyEvaluator(model, calibration, cost_model, context="rounds")
-        pool = {c.layers: c for c in [*candidates[:rescore], *pareto_front(candidates)]}
-        for c in tqdm(pool.values(), desc="re-scoring (exact proxy)", disable=not progress, leave=False):
-            exact.evaluate(c.layers, source=c.source)
-        ranked = exact.evaluated
-        lap("rescore")
+    laps.lap("cost_model")
+
+    evaluator = ProxyEvaluator(model, calibration, cost_model, context=config.search_proxy)
+    candidates = search(evaluator, optimizer=config.optimizer, budget=config.budget, seed=config.seed,
+                        keep_ends=config.keep_ends, optuna_sampler=config.optuna_sampler, progress=progress)
+    laps.lap("search")
+
+    exact, ranked = rescore(model, calibration, cost_model, evaluator, candidates, config, progress)
+    if exact is not evaluator:
+        laps.lap("rescore")
     best = ranked[0]
-    say(
-        f"search: {len(candidates)} layer sets ({search_proxy} proxy), {len(ranked)} re-scored; best: "
-        f"{best.describe_layers()} ({len(best.layers)} layers), {best.policy.describe()}, proxy {best.speedup:.2f}x"
-    )
+    say(f"search: {len(candidates)} layer sets ({config.search_proxy} proxy), {len(ranked)} re-scored; best: "
+        f"{best.describe_layers()} ({len(best.layers)} layers), {best.policy.describe()}, proxy {best.speedup:.2f}x")
+
     check = None
-    if proxy_check > 0:
-        check = check_proxy(
-            model, exact, ranked, plans=proxy_check, sequences=proxy_check_prompts, progress=progress
-        )
+    if config.proxy_check > 0:
+        check = check_proxy(model, exact, ranked, plans=config.proxy_check, sequences=config.proxy_check_prompts,
+                            progress=progress)
         say(check.summary())
-        lap("proxy_check")
+        laps.lap("proxy_check")
+
     confirmations: list[Confirmation] = []
-    chosen_plan = best.plan(name=name)
     chosen: Confirmation | None = None
-    if confirm > 0:
-        entries = [(f"#{r}", c.plan(name=f"{name}-{r}")) for r, c in enumerate(ranked[:confirm], 1)]
-        if include_default:
-            entries.append(("default", adapter_for(model).plan_for(model.config)))
-        confirmations = confirm_plans(
-            model,
-            entries,
-            heldout if heldout else prompts,
-            max_new_tokens=max_new_tokens,
-            repeats=confirm_repeats,
-            progress=progress,
-        )
-        for c in confirmations:
-            if c.label.startswith("#"):
-                c.candidate = ranked[int(c.label[1:]) - 1]
-            if c.plan.drafts:
-                layers = c.plan.draft_layers(exact.num_layers)
-                c.proxy = exact.simulate(layers, Policy(**_policy_fields(c.plan)))
-                c.proxy_alpha = exact.agreement(layers).alpha
-        chosen = _choose(confirmations, cost_model.dtype, say)
-        chosen_plan = dataclasses.replace(chosen.plan, name=name)
-        lap("confirmation")
-    settings = dict(
-        max_new_tokens=max_new_tokens,
-        prompts=len(prompts),
-        heldout=len(heldout or []),
-        budget=budget,
-        optimizer=optimizer,
-        optuna_sampler=optuna_sampler if optimizer == "optuna" else None,
-        search_proxy=search_proxy,
-        rescore=rescore,
-        confirm=confirm,
-        proxy_check=proxy_check,
-        max_draft_length=max_draft_length,
-        keep_ends=keep_ends,
-        seed=seed,
-        threads=torch.get_num_threads(),
-        dtype=cost_model.dtype,
-    )
+    chosen_plan = best.plan(name=config.name)
+    if config.confirm > 0:
+        confirmations = confirm_ranked(model, exact, ranked, heldout or prompts, config, progress)
+        chosen = choose(confirmations, cost_model.dtype, say)
+        chosen_plan = dataclasses.replace(chosen.plan, name=config.name)
+        laps.lap("confirmation")
+
+    settings = {**config.to_dict(), "prompts": len(prompts), "heldout": len(heldout or []),
+                "threads": torch.get_num_threads(), "dtype": cost_model.dtype}
+    if config.optimizer != "optuna":
+        settings["optuna_sampler"] = None
     return TuneResult(
         best_plan=chosen_plan,
         best=chosen,
@@ -171,13 +176,48 @@ def tune(
         proxy_check=check,
         cost_model=cost_model,
         settings=settings,
-        timings=timings,
+        timings=laps.timings,
         calibration_tokens=tokens,
         plain_tokens_per_second=plain_speed,
     )
 
 
-def _choose(confirmations: list[Confirmation], dtype: str, say: Callable[[str], None]) -> Confirmation:
+def rescore(model, calibration: Sequence[CalibrationSequence], cost_model: CostModel, evaluator: ProxyEvaluator,
+            candidates: list[Candidate], config: TuneConfig,
+            progress: bool) -> tuple[ProxyEvaluator, list[Candidate]]:
+    """(the exact evaluator, its candidates best first): the search's best and its front, scored exactly.
+
+    With `search_proxy="rounds"` the search already scored exactly, and its
+    evaluator and candidates are returned as they are.
+    """
+    if config.search_proxy == "rounds":
+        return evaluator, candidates
+    exact = ProxyEvaluator(model, calibration, cost_model, context="rounds")
+    pool = {c.layers: c for c in [*candidates[: config.rescore], *pareto_front(candidates)]}
+    for c in tqdm(pool.values(), desc="re-scoring (exact proxy)", disable=not progress, leave=False):
+        exact.evaluate(c.layers, source=c.source)
+    return exact, exact.evaluated
+
+
+def confirm_ranked(model, exact: ProxyEvaluator, ranked: list[Candidate], prompts: Sequence[Sequence[int]],
+                   config: TuneConfig, progress: bool) -> list[Confirmation]:
+    """Time the `config.confirm` best plans (and the adapter's default) against the plain path on `prompts`."""
+    entries = [(f"#{r}", c.plan(name=f"{config.name}-{r}")) for r, c in enumerate(ranked[: config.confirm], 1)]
+    if config.include_default:
+        entries.append(("default", adapter_for(model).plan_for(model.config)))
+    confirmations = confirm_plans(model, entries, prompts, max_new_tokens=config.max_new_tokens,
+                                  repeats=config.confirm_repeats, progress=progress)
+    for c in confirmations:
+        if c.label.startswith("#"):
+            c.candidate = ranked[int(c.label[1:]) - 1]
+        if c.plan.drafts:
+            layers = c.plan.draft_layers(exact.num_layers)
+            c.proxy = exact.simulate(layers, Policy.from_plan(c.plan))
+            c.proxy_alpha = exact.agreement(layers).alpha
+    return confirmations
+
+
+def choose(confirmations: list[Confirmation], dtype: str, say: Callable[[str], None]) -> Confirmation:
     """The fastest tuned plan, measured.
 
     In float32/float64 an output that differs from the plain path's is a bug,
@@ -195,6 +235,19 @@ def _choose(confirmations: list[Confirmation], dtype: str, say: Callable[[str], 
     if chosen.speedup < 1.0:
         say(f"warning: no tuned plan beat the plain path here (best {chosen.speedup:.2f}x)")
     return chosen
+
+
+class _Laps:
+    """Seconds spent in each named step."""
+
+    def __init__(self) -> None:
+        self.timings: dict[str, float] = {}
+        self._clock = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.timings[name] = now - self._clock
+        self._clock = now
 
 
 def _sayer(progress: bool) -> Callable[[str], None]:

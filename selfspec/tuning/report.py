@@ -5,7 +5,6 @@ It formats and saves numbers the other steps measured; it measures nothing.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -14,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..plan import DraftPlan
-from .candidate import Candidate, _ranges
+from .candidate import Candidate, layer_ranges
 from .confirm import Confirmation
 from .cost import CostModel
 from .proxy_check import ProxyCheck
@@ -56,7 +55,7 @@ class TuneResult:
         ]
         for c in self.confirmations:
             kept = "-" if not c.plan.drafts else f"{len(c.plan.draft_layers(self.cost_model.num_layers))}"
-            policy = "-" if not c.plan.drafts else Policy(**_policy_fields(c.plan)).describe()
+            policy = "-" if not c.plan.drafts else Policy.from_plan(c.plan).describe()
             if c.proxy is None:
                 proxy = ("-", "-", "-", "-")
             else:
@@ -158,14 +157,10 @@ class TuneResult:
         return True
 
 
-def _policy_fields(plan: DraftPlan) -> dict[str, Any]:
-    return {f.name: getattr(plan, f.name) for f in dataclasses.fields(Policy)}
-
-
 def _plan_words(plan: DraftPlan, num_layers: int) -> str:
     if not plan.drafts:
         return "plain"
     if plan.exit_layer is not None:
         return f"exit after layer {plan.exit_layer - 1}"
     skipped = [i for i in range(num_layers) if i not in plan.draft_layers(num_layers)]
-    return f"skip {_ranges(skipped)}"
+    return f"skip {layer_ranges(skipped)}"

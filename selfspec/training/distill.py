@@ -1,17 +1,15 @@
-"""Train an exit head by self-distillation: the target labels its own text.
+"""Train an exit head by self-distillation: the target labels its own text (from `text`).
 
-1. Text: the model's own greedy answers to a prompt set (batched
-   `model.generate`), and/or any text the user gives, cut into sequences.
-2. Features: each sequence runs once through the frozen target (the engine's
+1. Features: each sequence runs once through the frozen target (the engine's
    `LayerRunner`, so masks and positions are the engine's); we keep the states
    after layer E-1 (the head's input) and the final normed states (from which
    the target's distribution p is recomputed by the shared LM head).
-3. Training: the head (a copy of one decoder layer, `head.py`) runs on the
+2. Training: the head (a copy of one decoder layer, `head.py`) runs on the
    states after layer E-1 through the same runner, then the model's own final
    norm and LM head give q; the loss is KL(p || q) averaged over positions.
    AdamW, warm-up then cosine decay, gradient clipping; stops at the epoch or
    time budget, whichever comes first.
-4. Held-out sequences measure top-1 agreement with the target (the greedy
+3. Held-out sequences measure top-1 agreement with the target (the greedy
    acceptance rate of a one-token draft), for the head and for the same exit
    without a head.
 
@@ -27,15 +25,15 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.nn import functional as F
 
-from .parts import ModelParts, soft_cap
-from .head import ExitHead
-from .runner import LayerRunner
+from ..head import ExitHead
+from ..parts import ModelParts, soft_cap
+from ..runner import LayerRunner
 
 
 @dataclass
@@ -56,39 +54,6 @@ class TrainingLog:
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items()}
-
-
-def own_answers(model, tokenizer, prompts: Sequence[list[int]], *, new_tokens: int, batch_size: int,
-                progress: Callable[[int], None] | None = None) -> list[list[int]]:
-    """Prompt + the model's greedy answer for each prompt (batched, left-padded; stops at EOS)."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos]) - {None}
-    sequences = []
-    for i in range(0, len(prompts), batch_size):
-        batch = prompts[i : i + batch_size]
-        width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])  # [b, width]
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        with torch.no_grad():
-            out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), do_sample=False,
-                                 max_new_tokens=new_tokens, pad_token_id=pad)
-        for prompt, row in zip(batch, out[:, width:].tolist()):
-            answer = []
-            for token in row:
-                answer.append(token)
-                if token in eos:
-                    break
-            sequences.append(prompt + answer)
-        if progress:
-            progress(len(batch))
-    return sequences
-
-
-def text_sequences(tokenizer, text: str, *, length: int) -> list[list[int]]:
-    """Any text, tokenized and cut into sequences of `length` tokens."""
-    ids = tokenizer(text)["input_ids"]
-    return [ids[i : i + length] for i in range(0, len(ids), length) if len(ids[i : i + length]) > 1]
 
 
 @torch.no_grad()

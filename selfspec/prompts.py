@@ -1,7 +1,8 @@
-"""Prompt sets for tuning: the built-in chat prompts, prompt files, and their token ids.
+"""Prompt sets for the tools (plan search, head training): built-in chat prompts, prompt files, token ids.
 
-It reads and orders prompts and turns them into token ids (through the chat
-template when there is one). It knows nothing about models, drafts or timing.
+It finds, reads and orders prompts and turns them into token ids (through the
+chat template when there is one). It knows nothing about models, drafts or
+timing, and the engine never imports it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+
+SPEC_BENCH = "spec_bench_questions.jsonl"
 
 BUILTIN_PROMPTS: tuple[str, ...] = (
     "Write a short poem about the ocean at night.",
@@ -45,6 +48,25 @@ def builtin_prompts(*, seed: int = 0) -> list[str]:
     return prompts
 
 
+def prompt_file(data: str | os.PathLike) -> Path:
+    """The prompt file `data` names: a path, or "spec-bench" for the Spec-Bench questions.
+
+    "spec-bench" is looked up in `$SELFSPEC_SPEC_BENCH`, then `../shared/data/`
+    from the working directory and from the repository.
+    """
+    if os.fspath(data) != "spec-bench":
+        path = Path(data)
+        if not path.is_file():
+            raise ValueError(f"prompt file {os.fspath(data)!r} not found (valid: an existing file, or 'spec-bench')")
+        return path
+    here = Path(__file__).resolve().parent.parent
+    for candidate in (os.environ.get("SELFSPEC_SPEC_BENCH"), Path.cwd() / "../shared/data" / SPEC_BENCH,
+                      here / "../shared/data" / SPEC_BENCH):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    raise ValueError("'spec-bench': Spec-Bench questions not found; set SELFSPEC_SPEC_BENCH to the .jsonl path")
+
+
 def read_prompts(path: str | os.PathLike, *, seed: int = 0) -> list[str]:
     """Prompts from a file, in a seeded order that interleaves categories.
 
@@ -54,13 +76,22 @@ def read_prompts(path: str | os.PathLike, *, seed: int = 0) -> list[str]:
     `.json`: a list of strings. Anything else: one prompt per non-empty line.
     """
     path = Path(path)
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"prompt file {path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset "
+                         f"{error.start})") from None
     rows: list[tuple[str, str]] = []  # (category, prompt)
     if path.suffix == ".jsonl":
         for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
             prompt = (row.get("turns") or [None])[0]
             for key in ("prompt", "text", "question", "instruction"):
                 prompt = prompt or row.get(key)
@@ -68,7 +99,13 @@ def read_prompts(path: str | os.PathLike, *, seed: int = 0) -> list[str]:
                 raise ValueError(f"{path}:{number}: no prompt in turns[0], prompt, text, question or instruction")
             rows.append((str(row.get("category", "")), prompt))
     elif path.suffix == ".json":
-        rows = [("", str(p)) for p in json.loads(text)]
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not valid JSON ({error})") from None
+        if not isinstance(items, list):
+            raise ValueError(f"{path}: expected a JSON list of prompts, got {type(items).__name__}")
+        rows = [("", str(p)) for p in items]
     else:
         rows = [("", line.strip()) for line in text.splitlines() if line.strip()]
     if not rows:
@@ -106,7 +143,8 @@ def encode_prompts(tokenizer, texts: Sequence[str]) -> list[list[int]]:
     return encoded
 
 
-def _as_ids(prompt) -> list[int]:
+def as_ids(prompt) -> list[int]:
+    """One prompt's token ids as a list of ints (from a list or a tensor of any shape); empty is refused."""
     if isinstance(prompt, torch.Tensor):
         prompt = prompt.reshape(-1).tolist()
     ids = [int(i) for i in prompt]

@@ -3,85 +3,99 @@
     selfspec tune smollm2-135m-instruct --dtype bfloat16 --threads 1 --out plan.json
     selfspec generate --model smollm2-135m-instruct --dtype bfloat16 --plan plan.json "Hello"
 
-`add_tune_arguments(parser)` declares the options and `run_tune(args)` runs the
-search (`selfspec.tuning.tune`), prints the tables and writes three files: the
-plan (`--out`), a report with every candidate, the cost model, the Pareto
-front and the timed runs (`<out>.tune.json`), and the acceptance-versus-cost
-plot (`<out>.front.png`, when matplotlib is installed). This module parses and
+`run` builds a `TuneConfig` from the options, runs the search
+(`selfspec.tuning.tune`), prints the tables and writes three files: the plan
+(`--out`), a report with every candidate, the cost model, the Pareto front and
+the timed runs (`<out>.tune.json`), and the acceptance-versus-cost plot
+(`<out>.front.png`, when matplotlib is installed). This module parses and
 prints; it does no tuning of its own.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 import time
 from pathlib import Path
 
-SPEC_BENCH = "spec_bench_questions.jsonl"
+from . import common
+from ..tuning.layer_search import OPTIMIZERS, OPTUNA_SAMPLERS
+from ..tuning.pipeline import SEARCH_PROXIES, TuneConfig
+
+HELP = "search a fast draft plan for a model; writes a plan JSON"
 
 
-def add_tune_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("model", help="known model name (e.g. smollm2-135m-instruct) or a local model folder")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"],
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    integer = common.integer
+    parser.add_argument("model", type=common.text,
+                        help="known model name (e.g. smollm2-135m-instruct) or a local model folder")
+    parser.add_argument("--dtype", default="float32", choices=common.DTYPES,
                         help="tune for this dtype; costs differ by dtype, so tune for the one you run "
                              "(default: float32)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice; on a busy shared machine 1 is often fastest)")
-    parser.add_argument("--prompts", type=int, default=10, metavar="N", help="calibration prompts (default: 10)")
-    parser.add_argument("--heldout", type=int, default=5, metavar="M",
+    common.add_runtime_arguments(parser, dtype=None)
+    parser.add_argument("--prompts", type=integer(1), default=10, metavar="N", help="calibration prompts (default: 10)")
+    parser.add_argument("--heldout", type=integer(0), default=5, metavar="M",
                         help="further prompts for the timed confirmation (default: 5)")
-    parser.add_argument("--data", metavar="FILE",
+    parser.add_argument("--data", metavar="FILE", type=common.prompt_file,
                         help="prompts: a .jsonl (Spec-Bench rows, or a prompt/text field), a .json list or a text "
                              "file with one prompt a line; 'spec-bench' finds the Spec-Bench questions "
                              "($SELFSPEC_SPEC_BENCH or ../shared/data/). Default: the built-in chat prompts")
-    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per prompt (default: 48)")
-    parser.add_argument("--budget", type=int, default=200, help="layer sets the proxy scores (default: 200)")
-    parser.add_argument("--optimizer", default="greedy", choices=["greedy", "random", "optuna"],
+    parser.add_argument("--max-new-tokens", type=integer(2), default=48,
+                        help="tokens generated per prompt (default: 48)")
+    parser.add_argument("--budget", type=integer(1), default=200, help="layer sets the proxy scores (default: 200)")
+    parser.add_argument("--optimizer", default="greedy", choices=OPTIMIZERS,
                         help="greedy layer dropping + local moves (default), random search, or optuna (needs optuna)")
-    parser.add_argument("--optuna-sampler", default="tpe", choices=["tpe", "nsga2"],
+    parser.add_argument("--optuna-sampler", default="tpe", choices=OPTUNA_SAMPLERS,
                         help="with --optimizer optuna: TPE on proxy speedup, or NSGA-II on (acceptance, draft cost)")
-    parser.add_argument("--search-proxy", default="target", choices=["target", "rounds"],
+    parser.add_argument("--search-proxy", default="target", choices=SEARCH_PROXIES,
                         help="proxy for the search: round starts only (fast, exact for k=1; default) or the exact "
                              "replay of the engine's rounds (slower)")
-    parser.add_argument("--rescore", type=int, default=24, metavar="N",
+    parser.add_argument("--rescore", type=integer(0), default=24, metavar="N",
                         help="re-score the N best layer sets and the Pareto front with the exact proxy (default: 24)")
-    parser.add_argument("--confirm", type=int, default=3, metavar="N",
+    parser.add_argument("--confirm", type=integer(0), default=3, metavar="N",
                         help="time the N best plans by proxy against plain decoding (default: 3)")
-    parser.add_argument("--confirm-repeats", type=int, default=1, help="timed passes over the held-out prompts")
-    parser.add_argument("--proxy-check", type=int, default=6, metavar="N",
+    parser.add_argument("--confirm-repeats", type=integer(1), default=1, help="timed passes over the held-out prompts")
+    parser.add_argument("--proxy-check", type=integer(0), default=6, metavar="N",
                         help="also run N plans for real on calibration prompts to measure the proxy's error (0: skip)")
-    parser.add_argument("--proxy-check-prompts", type=int, default=4)
-    parser.add_argument("--max-draft-length", type=int, default=8, help="longest draft considered (default: 8)")
+    parser.add_argument("--proxy-check-prompts", type=integer(1), default=4)
+    parser.add_argument("--max-draft-length", type=integer(1), default=8, help="longest draft considered (default: 8)")
     parser.add_argument("--skip-ends", action="store_true",
                         help="let layer-skip plans drop the first and last layer too (default: keep them)")
     parser.add_argument("--no-default", action="store_true", help="do not time the adapter's current plan")
-    parser.add_argument("--out", help="plan JSON path (default: <model>-<dtype>-plan.json)")
+    parser.add_argument("--out", type=common.text, help="plan JSON path (default: <model>-<dtype>-plan.json)")
     parser.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=integer(0), default=0)
     parser.add_argument("--quiet", action="store_true", help="no progress bars or messages on stderr")
     return parser
 
 
-def run_tune(args: argparse.Namespace) -> int:
+def tune_config(args: argparse.Namespace) -> TuneConfig:
+    """The search's options from the command line's (the flags without a `TuneConfig` field are the CLI's own)."""
+    return TuneConfig(
+        max_new_tokens=args.max_new_tokens, budget=args.budget, optimizer=args.optimizer,
+        optuna_sampler=args.optuna_sampler, search_proxy=args.search_proxy, rescore=args.rescore,
+        confirm=args.confirm, confirm_repeats=args.confirm_repeats, proxy_check=args.proxy_check,
+        proxy_check_prompts=args.proxy_check_prompts, max_draft_length=args.max_draft_length,
+        keep_ends=not args.skip_ends, seed=args.seed, include_default=not args.no_default,
+        name=f"{Path(str(args.model)).name}-{args.dtype}-tuned",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
     import torch
 
     import selfspec
-    from selfspec.tuning import adapter_entry, builtin_prompts, encode_prompts, read_prompts, tune
+    from ..prompts import encode_prompts
+    from ..tuning import adapter_entry, tune
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    for option in ("prompts", "max_new_tokens", "budget"):
-        if getattr(args, option) < 1:
-            raise ValueError(f"--{option.replace('_', '-')}={getattr(args, option)} out of range (valid: >= 1)")
+    config = tune_config(args)
+    texts = common.prompt_texts(args.data, seed=args.seed)  # a bad prompt file fails before the model loads
+    common.set_threads(args.threads)
     progress = not args.quiet
     began = time.perf_counter()
     model, tokenizer = selfspec.load(args.model, dtype=args.dtype, device=args.device, progress=progress)
 
-    texts = read_prompts(_data_path(args.data), seed=args.seed) if args.data else builtin_prompts(seed=args.seed)
     wanted = args.prompts + args.heldout
     if len(texts) < wanted:
         _say(progress, f"only {len(texts)} prompts for {args.prompts} calibration + {args.heldout} held-out; "
@@ -89,28 +103,7 @@ def run_tune(args: argparse.Namespace) -> int:
     ids = encode_prompts(tokenizer, texts[:wanted])
     calibration, heldout = ids[: args.prompts], ids[args.prompts : wanted] or ids[: args.prompts]
 
-    name = f"{Path(str(args.model)).name}-{args.dtype}-tuned"
-    result = tune(
-        model,
-        prompts=calibration,
-        heldout=heldout,
-        max_new_tokens=args.max_new_tokens,
-        budget=args.budget,
-        optimizer=args.optimizer,
-        optuna_sampler=args.optuna_sampler,
-        search_proxy=args.search_proxy,
-        rescore=args.rescore,
-        confirm=args.confirm,
-        confirm_repeats=args.confirm_repeats,
-        proxy_check=args.proxy_check,
-        proxy_check_prompts=args.proxy_check_prompts,
-        max_draft_length=args.max_draft_length,
-        keep_ends=not args.skip_ends,
-        seed=args.seed,
-        name=name,
-        include_default=not args.no_default,
-        progress=progress,
-    )
+    result = tune(model, prompts=calibration, heldout=heldout, config=config, progress=progress)
     seconds = time.perf_counter() - began
     command = format_command(args)
     result.settings.update(command=command, model=str(args.model), seconds=seconds)
@@ -148,7 +141,7 @@ def run_tune(args: argparse.Namespace) -> int:
 
 def format_command(args: argparse.Namespace) -> str:
     """The `selfspec tune` command line that reproduces `args` (options at their defaults left out)."""
-    defaults = vars(add_tune_arguments(argparse.ArgumentParser()).parse_args([str(args.model)]))
+    defaults = vars(add_arguments(argparse.ArgumentParser()).parse_args([str(args.model)]))
     words = ["selfspec", "tune", str(args.model)]
     for key, value in vars(args).items():
         if key not in defaults or key == "model" or value == defaults[key]:
@@ -161,32 +154,6 @@ def format_command(args: argparse.Namespace) -> str:
     return shlex.join(words)
 
 
-def _data_path(data: str) -> Path:
-    if data != "spec-bench":
-        return Path(data)
-    here = Path(__file__).resolve().parent.parent
-    for candidate in (os.environ.get("SELFSPEC_SPEC_BENCH"), Path.cwd() / "../shared/data" / SPEC_BENCH,
-                      here / "../shared/data" / SPEC_BENCH):
-        if candidate and Path(candidate).is_file():
-            return Path(candidate)
-    raise ValueError("--data spec-bench: Spec-Bench questions not found; set SELFSPEC_SPEC_BENCH to the .jsonl path")
-
-
 def _say(progress: bool, message: str) -> None:
     if progress:
         print(f"selfspec tune: {message}", file=sys.stderr)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run as `python -m selfspec.tune_cli MODEL ...` until the `selfspec tune` subcommand is wired."""
-    parser = add_tune_arguments(argparse.ArgumentParser(prog="selfspec tune", description=__doc__.split("\n")[0]))
-    args = parser.parse_args(argv)
-    try:
-        return run_tune(args)
-    except (ValueError, ModuleNotFoundError) as error:
-        print(f"selfspec tune: error: {error}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

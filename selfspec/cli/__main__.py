@@ -1,0 +1,7 @@
+"""`python -m selfspec.cli ...`: the `selfspec` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

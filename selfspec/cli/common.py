@@ -1,0 +1,222 @@
+"""What the commands share: one-line errors, argument types that name the bad value and the valid range,
+the options every command takes, and the prompt and training-text options.
+
+Every argument is checked when it is parsed, before any model loads: a bad
+value is one line, `selfspec COMMAND: error: argument --flag: VALUE ... (valid: RANGE)`,
+exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+class Parser(argparse.ArgumentParser):
+    """An `ArgumentParser` whose errors are one line (no usage block): `PROG: error: MESSAGE`, exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class Interval:
+    """An argument type for numbers in a range; the error names the value and the range."""
+
+    def __init__(self, kind: type, low: float | None = None, high: float | None = None, *,
+                 open_low: bool = False, open_high: bool = False) -> None:
+        self.kind, self.low, self.high, self.open_low, self.open_high = kind, low, high, open_low, open_high
+
+    def valid(self) -> str:
+        noun = "an integer" if self.kind is int else "a number"
+        low = None if self.low is None else ("> " if self.open_low else ">= ") + f"{self.low:g}"
+        high = None if self.high is None else ("< " if self.open_high else "<= ") + f"{self.high:g}"
+        if low and high and not (self.open_low or self.open_high):
+            return f"{noun} in {self.low:g}..{self.high:g}"
+        return " ".join([noun] + [" and ".join(b for b in (low, high) if b)]).strip()
+
+    def __call__(self, text: str):
+        try:
+            value = self.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {self.valid()}") from None
+        if self.kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not finite (valid: {self.valid()})")
+        too_low = self.low is not None and (value <= self.low if self.open_low else value < self.low)
+        too_high = self.high is not None and (value >= self.high if self.open_high else value > self.high)
+        if too_low or too_high:
+            raise argparse.ArgumentTypeError(f"{text} out of range (valid: {self.valid()})")
+        return value
+
+
+def integer(low: int | None = None, high: int | None = None) -> Interval:
+    return Interval(int, low, high)
+
+
+def number(low: float | None = None, high: float | None = None, **open_ends: bool) -> Interval:
+    return Interval(float, low, high, **open_ends)
+
+
+def text(value: str) -> str:
+    """Text given on the command line, which must be valid UTF-8 (undecodable bytes arrive as surrogates)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raw = value.encode("utf-8", "surrogateescape")
+        raise argparse.ArgumentTypeError(
+            f"{raw!r} is not valid UTF-8 (byte {raw[error.start]:#04x} at offset {error.start}; valid: UTF-8 text)"
+        ) from None
+    return value
+
+
+def existing_file(value: str) -> str:
+    value = text(value)
+    if not Path(value).is_file():
+        raise argparse.ArgumentTypeError(f"{value!r}: no such file (valid: the path to an existing file)")
+    return value
+
+
+def prompt_file(value: str) -> Path:
+    """A prompt file, or 'spec-bench' (see `selfspec.prompts.prompt_file`)."""
+    from ..prompts import prompt_file as find
+
+    try:
+        return find(text(value))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def device(value: str) -> str:
+    """A torch device that works on this machine: `cpu`, `cuda`, `cuda:N`, `mps`, ..."""
+    import torch
+
+    value = text(value)
+    available = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if torch.backends.mps.is_available():
+        available.append("mps")
+    try:
+        parsed = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a device (valid here: {', '.join(available)})") from None
+    try:
+        torch.empty(0, device=parsed)
+    except (RuntimeError, AssertionError):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not available on this machine (valid here: {', '.join(available)})"
+        ) from None
+    return value
+
+
+def add_runtime_arguments(parser: argparse.ArgumentParser, *, dtype: str | None = "float32") -> None:
+    """--device, --threads and (unless `dtype` is None) --dtype."""
+    if dtype is not None:
+        parser.add_argument("--dtype", default=dtype, choices=DTYPES, help=f"the model's dtype (default: {dtype})")
+    parser.add_argument("--device", default="cpu", type=device, help="torch device (default: cpu)")
+    parser.add_argument("--threads", type=integer(1), default=None,
+                        help="torch CPU threads (default: torch's choice; on a busy shared machine 1 is often fastest)")
+
+
+def set_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def prompt_texts(data: Path | None, *, seed: int) -> list[str]:
+    """The prompts of `--data` (a file `prompt_file` found), or the built-in chat prompts; in a seeded order."""
+    from ..prompts import builtin_prompts, read_prompts
+
+    return read_prompts(data, seed=seed) if data else builtin_prompts(seed=seed)
+
+
+def read_text_file(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset "
+                         f"{error.start}; valid: a UTF-8 text file)") from None
+
+
+# --------------------------------------------------------------------------- training text (train-head, count-vocab)
+
+
+def add_text_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and the text a head or a vocabulary learns from: its own answers to prompts, and a text file."""
+    parser.add_argument("model", type=text, help="known model name (e.g. smollm2-135m-instruct) or a local model folder")
+    parser.add_argument("--data", metavar="FILE", type=prompt_file,
+                        help="prompts (.jsonl / .json / one a line; 'spec-bench' finds the Spec-Bench questions); "
+                             "default: the built-in prompts")
+    parser.add_argument("--prompts", type=integer(1), default=None, metavar="N",
+                        help="use the first N prompts (default: all)")
+    parser.add_argument("--text", metavar="FILE", type=existing_file,
+                        help="also learn from this text file (cut into sequences)")
+    parser.add_argument("--new-tokens", type=integer(1), default=128, help="answer length per prompt (default: 128)")
+    parser.add_argument("--max-length", type=integer(2), default=768, help="longest training sequence (default: 768)")
+    parser.add_argument("--batch-size", type=integer(1), default=8, help="prompts generated at once (default: 8)")
+    add_runtime_arguments(parser, dtype=None)
+    parser.add_argument("--seed", type=integer(0), default=0)
+    parser.add_argument("--sequences", metavar="FILE", type=existing_file,
+                        help="reuse the token sequences an earlier run saved (OUT.sequences.json) "
+                             "instead of generating them")
+    parser.add_argument("--out", required=True, type=text, help="output path without suffix")
+
+
+@dataclass(frozen=True)
+class TextInputs:
+    """What `--data` and `--text` hold, read before the model loads so that a bad file fails first."""
+
+    prompts: list[str] | None  # the prompts to answer (None with --sequences)
+    text: str | None  # the --text file's contents
+
+
+def read_text_inputs(args: argparse.Namespace) -> TextInputs:
+    if Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out!r} is a folder (valid: a path without suffix, e.g. heads/smollm2-e8)")
+    if args.sequences:
+        return TextInputs(None, None)
+    return TextInputs(prompt_texts(args.data, seed=args.seed), read_text_file(args.text) if args.text else None)
+
+
+def load_float32(args: argparse.Namespace):
+    """(model in float32 on `--device`, tokenizer, the model's parts)."""
+    import selfspec
+    from ..registry import model_parts
+
+    set_threads(args.threads)
+    model, tokenizer = selfspec.load(args.model, dtype="float32", device=args.device)
+    return model, tokenizer, model_parts(model)
+
+
+def training_text(args: argparse.Namespace, inputs: TextInputs, model, tokenizer, parts):
+    """The `TrainingText` of `args`: read back from `--sequences`, or generated and saved to `OUT.sequences.json`."""
+    from tqdm.auto import tqdm
+
+    from ..prompts import encode_prompts
+    from ..training import TrainingText, own_answers, text_sequences
+
+    vocab_size = parts.lm_head.weight.shape[0]
+    if args.sequences:
+        return TrainingText.load(args.sequences, vocab_size=vocab_size)
+
+    texts = inputs.prompts[: args.prompts] if args.prompts else inputs.prompts
+    prompts = [ids[-args.max_length // 2 :] for ids in encode_prompts(tokenizer, texts)]
+    with tqdm(total=len(prompts), desc="own answers", unit="prompt", file=sys.stderr) as bar:
+        sequences = own_answers(model, tokenizer, prompts, new_tokens=args.new_tokens, batch_size=args.batch_size,
+                                progress=bar.update)
+    answers = [seq[len(p):] for seq, p in zip(sequences, prompts)]
+    source = f"{len(prompts)} prompts from {args.data or 'the built-in set'}, {args.new_tokens}-token greedy answers"
+    if inputs.text is not None:
+        extra = text_sequences(tokenizer, inputs.text, length=args.max_length)
+        sequences += extra
+        answers += extra
+        source += f", and {args.text}"
+    result = TrainingText([s[: args.max_length] for s in sequences], answers, source)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result.save(out.parent / f"{out.name}.sequences.json")
+    return result
