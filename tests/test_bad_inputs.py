@@ -310,7 +310,7 @@ def _edit_manifest(path: Path, **changes):
     manifest = json.loads(path.read_text())
     for key, value in changes.items():
         if value is ...:
-            del manifest[key]
+            manifest.pop(key, None)
         else:
             manifest[key] = value
     path.write_text(json.dumps(manifest))
