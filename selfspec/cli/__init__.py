@@ -10,12 +10,14 @@ Each command is a module of this package with `HELP` (one line),
 `add_arguments(parser)` and `run(args) -> exit status`; adding a command is a
 new module and one line in `COMMANDS`. Arguments are checked as they are
 parsed, before any model loads. Every error is one line on stderr, exit status
-2; Ctrl-C prints "interrupted" and exits 130.
+2; Ctrl-C prints "interrupted" and exits 130; a closed stdout ends quietly
+with 1.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from .common import Parser
@@ -43,14 +45,20 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns its exit status (0, 2 for an error, 130 when interrupted)."""
     prog = "selfspec"
     try:
         args = build_parser().parse_args(argv)
         prog = f"selfspec {args.command}"
         return args.run(args)
+    except SystemExit as exit_:  # argparse: --help, or a bad argument (already reported in one line)
+        return exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 2
     except KeyboardInterrupt:
         print(f"\n{prog}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (`selfspec generate ... | head`): nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the flush at exit does not fail again
+        return 1
     except ERRORS as error:
         message = " ".join(str(error).split()) or type(error).__name__
         print(f"{prog}: error: {message}", file=sys.stderr)

@@ -1,0 +1,236 @@
+"""The `selfspec` command: every bad argument is one line naming the value and the valid range, exit 2, no
+traceback, before any model loads; Ctrl-C exits 130; temperature 0 and top-p 0 mean greedy.
+
+Bad arguments run in-process (fast, with `selfspec.load` replaced by a trap so a
+model load fails the test) and a representative set also as real processes,
+started together. Commands that need a model use a tiny random Llama saved
+as a Hugging Face folder; nothing downloads.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+import selfspec
+from selfspec.cli import main
+from selfspec.cli.generate import sampling_options
+
+WORDS = ["[UNK]", "[PAD]", "hello", "world", "the", "capital", "of", "france", "is", "paris", "a", "cat"]
+NO_MODEL = "/no/such/model"  # if a check ran after loading, the error would be about this instead
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    """A random 2-layer Llama with a long context (for the Ctrl-C test) and a word-level tokenizer."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    config = transformers.LlamaConfig(
+        vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32768, tie_word_embeddings=True, initializer_range=0.3,
+        pad_token_id=1, bos_token_id=None, eos_token_id=None,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]",
+                                         pad_token="[PAD]").save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    def trap(*args, **kwargs):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(selfspec, "load", trap)
+
+
+def bad_plan(tmp_path: Path) -> str:
+    path = tmp_path / "plan.json"
+    path.write_text('{"exit_layer": "2"}')
+    return str(path)
+
+
+# (arguments, text the one-line message must contain); paths under {tmp} are made by the test
+BAD_ARGUMENTS = [
+    (["generate", "--model", NO_MODEL, "--plan", "missing.json", "hi"], ["'missing.json'", "no such file"]),
+    (["generate", "--model", NO_MODEL, "--plan", "{bad_plan}", "hi"], ["plan.json", "exit_layer", "'2'"]),
+    (["generate", "--model", NO_MODEL, "--device", "junk", "hi"], ["--device", "'junk'", "valid here: cpu"]),
+    (["generate", "--model", NO_MODEL, "--threads", "-1", "hi"], ["--threads", "-1", ">= 1"]),
+    (["generate", "--model", NO_MODEL, "--threads", "0", "hi"], ["--threads", "0", ">= 1"]),
+    (["generate", "--model", NO_MODEL, "--threads", "two", "hi"], ["--threads", "'two'", ">= 1"]),
+    (["generate", "--model", NO_MODEL, "--temperature", "-0.5", "hi"], ["--temperature", "-0.5", ">= 0"]),
+    (["generate", "--model", NO_MODEL, "--temperature", "nan", "hi"], ["--temperature", "'nan'", ">= 0"]),
+    (["generate", "--model", NO_MODEL, "--top-p", "1.5", "hi"], ["--top-p", "1.5", "0..1"]),
+    (["generate", "--model", NO_MODEL, "--max-new-tokens", "0", "hi"], ["--max-new-tokens", "0", ">= 1"]),
+    (["generate", "--model", NO_MODEL, "--dtype", "int8", "hi"], ["--dtype", "'int8'", "float32"]),
+    (["generate", "--model", NO_MODEL, "caf\udcff"], ["prompt", "b'caf\\xff'", "UTF-8"]),
+    (["tune", NO_MODEL, "--budget", "0"], ["--budget", "0", ">= 1"]),
+    (["tune", NO_MODEL, "--max-new-tokens", "1"], ["--max-new-tokens", "1", ">= 2"]),
+    (["tune", NO_MODEL, "--data", "missing.txt"], ["--data", "'missing.txt'", "existing file"]),
+    (["tune", NO_MODEL, "--data", "{not_utf8}"], ["prompts.txt", "UTF-8", "0xff"]),
+    (["train-head", NO_MODEL, "--out", "o", "--exit-layer", "0"], ["--exit-layer", "0", ">= 1"]),
+    (["train-head", NO_MODEL, "--out", "o", "--exit-layer", "2", "--epochs", "0"], ["--epochs", "0", "> 0"]),
+    (["train-head", NO_MODEL, "--out", "o", "--exit-layer", "2", "--eval-fraction", "1"],
+     ["--eval-fraction", "1", "< 1"]),
+    (["train-head", NO_MODEL, "--out", "o", "--exit-layer", "2", "--draft-length", "99"], ["--draft-length", "99"]),
+    (["train-head", NO_MODEL, "--out", "o", "--exit-layer", "2", "--text", "{not_utf8}"], ["prompts.txt", "UTF-8"]),
+    (["count-vocab", NO_MODEL, "--out", "o", "--batch-size", "0"], ["--batch-size", "0", ">= 1"]),
+    (["count-vocab", NO_MODEL, "--out", "o", "--sequences", "nope.json"], ["--sequences", "'nope.json'"]),
+]
+
+
+def fill(args: list[str], tmp_path: Path) -> list[str]:
+    not_utf8 = tmp_path / "prompts.txt"
+    not_utf8.write_bytes(b"hello\ncaf\xff\n")
+    return [a.format(bad_plan=bad_plan(tmp_path), not_utf8=not_utf8) if "{" in a else a for a in args]
+
+
+def assert_one_line_error(code: int, stderr: str, needles: list[str], *, progress_before: bool = False) -> None:
+    """Exit 2, no traceback, and the error in one line (the only one, unless progress lines came before it)."""
+    assert code == 2, stderr
+    assert "Traceback" not in stderr, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 or progress_before, stderr
+    assert "error:" in lines[-1] and not any("error" in line for line in lines[:-1]), stderr
+    for needle in needles:
+        assert needle in lines[-1], (needle, lines[-1])
+
+
+@pytest.mark.parametrize("args, needles", BAD_ARGUMENTS, ids=[" ".join(a[:1] + a[2:4]) for a, _ in BAD_ARGUMENTS])
+def test_bad_argument_is_one_line_before_the_model_loads(args, needles, tmp_path, capsys, no_model_load):
+    code = main(fill(args, tmp_path))
+    assert_one_line_error(code, capsys.readouterr().err, needles)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_cuda_device_without_cuda(capsys, no_model_load):
+    code = main(["generate", "--model", NO_MODEL, "--device", "cuda", "hi"])
+    assert_one_line_error(code, capsys.readouterr().err, ["--device", "'cuda'", "not available", "valid here: cpu"])
+
+
+# --------------------------------------------------------------------------- as real processes
+
+
+def selfspec_process(args: list, stdout=subprocess.PIPE) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # several start at once on a small machine
+    return subprocess.Popen([sys.executable, "-m", "selfspec.cli", *args], stdout=stdout, stderr=subprocess.PIPE,
+                            env=env)
+
+
+PROCESS_CASES = {  # the rest of BAD_ARGUMENTS behaves the same in-process and in a process
+    "missing plan": (["generate", "--model", NO_MODEL, "--plan", "missing.json", "hi"], ["'missing.json'"]),
+    "device junk": (["generate", "--model", NO_MODEL, "--device", "junk", "hi"], ["'junk'", "valid here"]),
+    "non-UTF-8 prompt": (["generate", "--model", NO_MODEL, b"caf\xff"], ["b'caf\\xff'", "UTF-8"]),
+    "exit layer 99": (["train-head", "{tiny}", "--out", "{tmp}/head", "--exit-layer", "99"],
+                      ["--exit-layer", "99", "valid: 1..1"]),
+}
+
+
+@pytest.fixture(scope="module")
+def process_results(tiny_folder, tmp_path_factory) -> dict[str, tuple[int, str]]:
+    """Every case of PROCESS_CASES run as `python -m selfspec.cli`, all started at once."""
+    tmp = tmp_path_factory.mktemp("cli")
+    running = {}
+    for name, (args, _) in PROCESS_CASES.items():
+        args = [a.format(tiny=tiny_folder, tmp=tmp) if isinstance(a, str) else a for a in args]
+        running[name] = selfspec_process(args)
+    results = {}
+    for name, process in running.items():
+        _, stderr = process.communicate(timeout=300)
+        results[name] = (process.returncode, stderr.decode("utf-8", "replace"))
+    return results
+
+
+@pytest.mark.parametrize("case", list(PROCESS_CASES))
+def test_bad_argument_in_a_real_process(case, process_results):
+    """Exit status 2 and one line from the process itself (the model loads only for the layer check)."""
+    code, stderr = process_results[case]
+    assert_one_line_error(code, stderr, PROCESS_CASES[case][1], progress_before=case == "exit layer 99")
+    assert "own answers" not in stderr  # train-head: refused before generating any text
+
+
+def test_ctrl_c_prints_interrupted_and_exits_130(tiny_folder):
+    process = selfspec_process(["generate", "--model", str(tiny_folder), "--max-new-tokens", "30000", "hello"],
+                               stdout=subprocess.DEVNULL)
+    seen = b""
+    deadline = time.monotonic() + 120
+    while b"loaded" not in seen and time.monotonic() < deadline:
+        line = process.stderr.readline()
+        if not line:
+            break
+        seen += line
+    assert b"loaded" in seen, seen
+    time.sleep(0.5)  # now generating
+    process.send_signal(signal.SIGINT)
+    stderr = (seen + process.stderr.read()).decode()
+    assert process.wait(timeout=60) == 130, stderr
+    assert "interrupted" in stderr and "Traceback" not in stderr, stderr
+
+
+# --------------------------------------------------------------------------- greedy at temperature 0 / top-p 0
+
+
+def test_sampling_options():
+    greedy = {"do_sample": False}
+    assert sampling_options(None, None) == greedy
+    assert sampling_options(0.0, None) == greedy  # was temperature 1.0: `args.temperature or 1.0`
+    assert sampling_options(None, 0.0) == greedy  # top-p 0 keeps only the most likely token
+    assert sampling_options(0.0, 0.9) == greedy
+    assert sampling_options(0.7, None) == {"do_sample": True, "temperature": 0.7, "top_p": 1.0}
+    assert sampling_options(None, 0.9) == {"do_sample": True, "temperature": 1.0, "top_p": 0.9}
+
+
+def test_temperature_0_and_top_p_0_generate_the_greedy_text(tiny_folder, capsys):
+    def answer(*options: str) -> str:
+        args = ["generate", "--model", str(tiny_folder), "--max-new-tokens", "24", "--seed", "3", *options,
+                "hello world"]
+        assert main(args) == 0
+        return capsys.readouterr().out.split("\n\n")[0]
+
+    greedy = answer()
+    assert greedy.strip()
+    assert answer("--temperature", "0") == greedy
+    assert answer("--top-p", "0") == greedy
+    assert answer("--temperature", "5") != greedy  # sampling at a high temperature does differ
+
+
+# --------------------------------------------------------------------------- the training commands end to end
+
+
+def test_count_vocab_and_train_head_on_a_tiny_model(tiny_folder, tmp_path, capsys):
+    common = ["--prompts", "4", "--new-tokens", "6", "--batch-size", "2"]
+    assert main(["count-vocab", str(tiny_folder), "--out", str(tmp_path / "vocab"), *common]) == 0
+    assert (tmp_path / "vocab.json").is_file() and (tmp_path / "vocab.sequences.json").is_file()
+    out = tmp_path / "heads" / "e1"
+    assert main(["train-head", str(tiny_folder), "--exit-layer", "1", "--epochs", "1", "--minutes", "0.2",
+                 "--eval-fraction", "0.25", "--sequences", str(tmp_path / "vocab.sequences.json"),
+                 "--out", str(out)]) == 0
+    for suffix in (".json", ".safetensors", ".plan.json", "-vocab.json"):
+        assert (out.parent / f"{out.name}{suffix}").is_file(), suffix
+    capsys.readouterr()
+    # a saved sequences file whose ids the model does not have is refused before any training
+    bad = tmp_path / "bad.sequences.json"
+    bad.write_text('{"source": "x", "sequences": [[1, 2], [3, 999]], "answers": []}')
+    code = main(["train-head", str(tiny_folder), "--exit-layer", "1", "--sequences", str(bad), "--out",
+                 str(tmp_path / "h2")])
+    assert_one_line_error(code, capsys.readouterr().err, ["999", f"0..{len(WORDS) - 1}"], progress_before=True)
+
+
+def test_closed_stdout_ends_quietly(tiny_folder):
+    """`selfspec generate ... | head -1`: the reader went away; no traceback, no error line."""
+    process = selfspec_process(["generate", "--model", str(tiny_folder), "--max-new-tokens", "3000", "hello"])
+    process.stdout.close()
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 1, stderr
+    assert "Traceback" not in stderr and "error" not in stderr, stderr
