@@ -234,3 +234,12 @@ def test_closed_stdout_ends_quietly(tiny_folder):
     stderr = process.stderr.read().decode()
     assert process.wait(timeout=120) == 1, stderr
     assert "Traceback" not in stderr and "error" not in stderr, stderr
+
+
+def test_tune_command_on_a_tiny_model(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["tune", str(tiny_folder), "--prompts", "2", "--heldout", "1", "--max-new-tokens", "6",
+                 "--budget", "3", "--confirm", "1", "--proxy-check", "0", "--no-plot", "--quiet",
+                 "--out", str(out)]) == 0
+    assert selfspec.DraftPlan.load(out).name == f"{tiny_folder.name}-float32-tuned"
+    assert "selfspec tune" in capsys.readouterr().out and out.with_suffix(".tune.json").is_file()
