@@ -17,12 +17,12 @@ This module proposes and records; it does not run the target's full passes
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .head import ExitHead
-from .ngram import lookup
+from .ngram import longest_match
 from .plan import DraftPlan
 from .runner import LayerRunner
 from .scoring import Scorer
@@ -35,6 +35,8 @@ class Draft:
     probs: torch.Tensor | None  # q: [k, vocab] draft distributions (sampling only)
     boundary: list[torch.Tensor]  # k x [1, 1, hidden]: states after the exact prefix for inputs x, d_1..d_{k-1}
     source: str = "layers"  # "layers", or "ngram" (copied from an earlier match; no boundary states)
+    confidences: list[float] = field(default_factory=list)  # per drafted token: the draft's top probability
+    match_length: int = 0  # n-gram drafts: the length of the matched suffix
 
 
 class Drafter:
@@ -45,6 +47,7 @@ class Drafter:
         self.num_layers = num_layers
         self.ngram = plan.ngram
         self.has_layers = bool(layers)
+        self.draft_layers = layers
         self.exact_prefix = plan.exact_prefix(num_layers)  # s
         self.prefix_layers = range(self.exact_prefix)
         self.other_layers = layers[self.exact_prefix :]
@@ -58,45 +61,50 @@ class Drafter:
                 )
             self.other_layers = (head.slot,)  # layers 0..E-1 are the exact prefix; then the head
 
-    def propose(
-        self,
-        runner: LayerRunner,
-        scorer: Scorer,
-        tokens: list[int],
-        budget: int,
-        threshold: float | None,
-        *,
-        use_layers: bool = True,
-    ) -> Draft:
-        """Draft up to `budget` tokens after `tokens`; the last of `tokens` is not in the cache yet.
+    def propose(self, runner: LayerRunner, scorer: Scorer, tokens: list[int], policy) -> Draft:
+        """Draft after `tokens` as far as `policy` says; the last of `tokens` is not in the cache yet.
 
-        An n-gram match, when the plan looks for one, comes first: it is free.
+        `policy` (`policy.py`) has had `begin_round(budget)` called. An n-gram
+        match, when the plan looks for one, comes first: it is free, and the
+        policy says how much of it to verify; when that is nothing, the layers
+        may draft.
         """
-        copied = lookup(tokens, max_ngram=self.ngram, budget=budget) if self.ngram else []
-        if copied:
-            probs = None
-            if scorer.do_sample:  # a deterministic proposal: q is one-hot
-                vocab = runner.parts.lm_head.weight.shape[0]
-                probs = torch.zeros(len(copied), vocab, device=runner.positions.device)  # [k, vocab]
-                probs[torch.arange(len(copied)), torch.tensor(copied)] = 1.0
-            return Draft(copied, probs, [], source="ngram")
-        if not (use_layers and self.has_layers):
-            budget = 0
+        if self.ngram:
+            copied, match_length = longest_match(tokens, max_ngram=self.ngram, budget=policy.round_budget)
+            copied = copied[: policy.ngram_length(match_length, len(copied))] if copied else []
+            if copied:
+                probs = None
+                if scorer.do_sample:  # a deterministic proposal: q is one-hot
+                    probs = torch.zeros(len(copied), runner.parts.vocab_size, device=runner.positions.device)  # [k, vocab]
+                    probs[torch.arange(len(copied)), torch.tensor(copied)] = 1.0
+                return Draft(copied, probs, [], source="ngram", match_length=match_length)
         start = len(tokens) - 1
         drafted: list[int] = []
+        confidences: list[float] = []
         probs: list[torch.Tensor] = []
         boundary: list[torch.Tensor] = []
         token = tokens[-1]
-        for i in range(budget):
-            hidden = runner.run(runner.embed([token], start + i), self.prefix_layers, start + i)  # [1, 1, hidden]
-            boundary.append(hidden)
-            hidden = runner.run(hidden, self.other_layers, start + i)
-            logits = runner.logits(hidden, self.vocab)  # [1, vocab]
+        confidence = None
+        while self.has_layers and policy.draft_next(len(drafted), confidence):
+            i = len(drafted)
+            logits = self.step(runner, token, start + i, boundary)  # [1, vocab]
             scores = scorer.scores(logits, tokens + drafted, len(tokens) + i)  # [1, vocab]
-            token, confidence, q = scorer.draft_choice(scores, with_confidence=threshold is not None)
+            token, confidence, q = scorer.draft_choice(scores, with_confidence=policy.wants_confidence)
             drafted.append(token)
+            if confidence is not None:
+                confidences.append(confidence)
             if q is not None:
                 probs.append(q)
-            if confidence is not None and threshold is not None and confidence < threshold:
-                break  # keep this token (already paid for), draft no further
-        return Draft(drafted, torch.stack(probs) if probs else None, boundary)
+        return Draft(drafted, torch.stack(probs) if probs else None, boundary, confidences=confidences)
+
+    def step(self, runner: LayerRunner, token: int, position: int, boundary: list[torch.Tensor] | None = None):
+        """One drafted token's pass: the plan's layers on `token` at `position`; `[1, vocab]` draft logits.
+
+        The hidden states after the exact prefix are appended to `boundary`
+        (the verify pass resumes from them).
+        """
+        hidden = runner.run(runner.embed([token], position), self.prefix_layers, position)  # [1, 1, hidden]
+        if boundary is not None:
+            boundary.append(hidden)
+        hidden = runner.run(hidden, self.other_layers, position)
+        return runner.logits(hidden, self.vocab)

@@ -21,13 +21,15 @@ import torch
 
 from .acceptance import accept_greedy, accept_sampling
 from .adapter import Adapter
+from .artifacts import model_identity
+from .costs import PassCosts, RuntimeCosts, cache_key, costs_cache_dir, load_or_measure, machine_description, measure_pass_costs
 from .draft import Drafter
 from .head import ExitHead, load_head
 from .hf_generation import GenerationSettings, resolve_settings
 from .parts import ModelParts, text_config
 from .passes import TargetPasses
 from .plan import DraftPlan
-from .policy import AdaptivePolicy
+from .policy import AdaptivePolicy, CostPolicy
 from .registry import adapter_for
 from .runner import LayerRunner
 from .scoring import Scorer
@@ -35,14 +37,20 @@ from .stats import GenerationStats
 from .vocab import DraftVocab, load_vocab
 
 
-def wrap(model, *, plan: DraftPlan | str | os.PathLike | dict | None = None) -> "SelfSpecModel":
+def wrap(
+    model, *, plan: DraftPlan | str | os.PathLike | dict | None = None, costs: PassCosts | str | None = None
+) -> "SelfSpecModel":
     """Wrap a Hugging Face causal LM for self-speculative generation. The model is not modified.
 
     `plan`: a `DraftPlan`, a path to a saved plan (JSON), a plan dict, or None
     for the adapter's plan for this model.
+    `costs`: None to measure what passes cost on this machine (on first use,
+    then cached on disk and refined by every round); a `PassCosts` table or a
+    profile name ("linear": a pass over q tokens costs q plain steps; "flat":
+    up to 16 tokens cost one step) to decide with those costs instead.
     """
     adapter = adapter_for(model)
-    return SelfSpecModel(model, adapter=adapter, plan=_as_plan(plan, adapter, model.config))
+    return SelfSpecModel(model, adapter=adapter, plan=_as_plan(plan, adapter, model.config), costs=costs)
 
 
 def _as_plan(plan, adapter: Adapter, config) -> DraftPlan:
@@ -60,7 +68,7 @@ def _as_plan(plan, adapter: Adapter, config) -> DraftPlan:
 class SelfSpecModel:
     """A model wrapped for self-speculative decoding; `generate()` works as in transformers."""
 
-    def __init__(self, model, *, adapter: Adapter, plan: DraftPlan) -> None:
+    def __init__(self, model, *, adapter: Adapter, plan: DraftPlan, costs: PassCosts | str | None = None) -> None:
         self.model = model
         self.adapter = adapter
         self.parts: ModelParts = adapter.bind(model)
@@ -74,6 +82,10 @@ class SelfSpecModel:
         # Drafter validates the plan against the model (layer indices, the head's exit).
         self.drafter = Drafter(plan, self.parts.num_layers, head=self.head, vocab=self.vocab)
         self.passes = TargetPasses(self.parts.num_layers, exact_prefix=self.drafter.exact_prefix, head=self.head)
+        self.max_width = plan.draft_length + 1  # the widest verify pass
+        self.injected_costs = self._injected(costs)
+        self.measured_costs: dict[tuple, PassCosts] = {}  # by (threads, device)
+        self.learned_costs: dict[tuple, RuntimeCosts] = {}  # the same tables, refined by the rounds
         self.last_stats: GenerationStats | None = None
 
     def __repr__(self) -> str:
@@ -81,6 +93,64 @@ class SelfSpecModel:
 
     def describe_plan(self) -> str:
         return self.plan.describe(self.parts.num_layers)
+
+    @property
+    def costs(self) -> PassCosts:
+        """What a pass costs here: the table the rounds start from (measured on first use, cached on disk)."""
+        if self.injected_costs is not None:
+            return self.injected_costs
+        key = (torch.get_num_threads(), str(self.parts.device))
+        if key not in self.measured_costs:
+            self.measured_costs[key] = self._measure_costs()
+        return self.measured_costs[key]
+
+    def _injected(self, costs: PassCosts | str | None) -> PassCosts | None:
+        if costs is None or isinstance(costs, PassCosts):
+            return costs
+        if isinstance(costs, str):
+            return PassCosts.profile(costs, max_width=self.max_width, num_layers=self.parts.num_layers,
+                                     draft_fraction=len(self.drafter.draft_layers) / self.parts.num_layers)
+        raise ValueError(f"costs must be None, a PassCosts table or a profile name ('linear', 'flat'), got {costs!r}")
+
+    def _measure_costs(self) -> PassCosts:
+        device = self.parts.device
+        identity = dict(
+            model=model_identity(self.model, self.parts),
+            draft=self.describe_plan(),
+            dtype=str(self.parts.dtype),
+            device=str(device),
+            threads=torch.get_num_threads(),
+            machine=machine_description(device),
+            max_width=self.max_width,
+        )
+
+        def draft_step(runner: LayerRunner, position: int) -> None:
+            logits = self.drafter.step(runner, 0, position)  # [1, vocab]
+            float(torch.softmax(logits[0], dim=-1).max())  # the confidence the policy reads
+
+        def measure() -> PassCosts:
+            return measure_pass_costs(
+                lambda capacity: LayerRunner(self.parts, capacity=capacity, head=self.head),
+                draft_step if self.drafter.has_layers else None,
+                num_layers=self.parts.num_layers,
+                vocab_size=self.parts.vocab_size,
+                max_width=self.max_width,
+            )
+
+        return load_or_measure(costs_cache_dir(), cache_key(**identity), measure)
+
+    def _policy(self, settings: GenerationSettings) -> CostPolicy | AdaptivePolicy:
+        if self.plan.policy == "fixed" or not self.plan.drafts:
+            return AdaptivePolicy(self.plan)
+        table = self.costs
+        # A seed must reproduce a sample: when sampling, decide from the table and the tokens alone, never from
+        # timing noise (greedy output is the same whatever is drafted, so greedy runs learn from every round).
+        learn = self.injected_costs is None and not settings.do_sample
+        if learn:
+            runtime = self.learned_costs.setdefault((table.machine, table.step), RuntimeCosts(table))
+        else:
+            runtime = RuntimeCosts(table, learn=False)
+        return CostPolicy(self.plan, runtime, exact_prefix=self.drafter.exact_prefix)
 
     @torch.no_grad()
     def generate(
@@ -135,11 +205,11 @@ class SelfSpecModel:
     def _decode(
         self, prompt: list[int], settings: GenerationSettings, streamer, generator
     ) -> tuple[list[int], GenerationStats]:
+        policy = self._policy(settings)  # first: measuring the costs (once) uses a runner of its own
         capacity = len(prompt) + settings.max_new_tokens + self.plan.draft_length + 1
         runner = LayerRunner(self.parts, capacity=capacity, head=self.head)
         scorer = Scorer(settings, generator)
         out = Output(prompt, settings, streamer)
-        policy = AdaptivePolicy(self.plan)
         stats = GenerationStats(plan=self.describe_plan())
         clock = Clock(self.parts.device)
 
@@ -151,11 +221,9 @@ class SelfSpecModel:
 
         while not out.done:
             start = len(out.tokens) - 1  # position of the last emitted token, not in the cache yet
-            budget = min(self.plan.draft_length, out.remaining - 1)
-            # 1. draft (an n-gram match, else the plan's layers unless the policy paused them)
-            draft = self.drafter.propose(
-                runner, scorer, out.tokens, budget, policy.threshold, use_layers=policy.budget() > 0
-            )
+            policy.begin_round(min(self.plan.draft_length, out.remaining - 1))
+            # 1. draft: an n-gram match, else the plan's layers, as far as the policy finds it pays
+            draft = self.drafter.propose(runner, scorer, out.tokens, policy)
             draft_seconds = clock.lap()
             # 2. verify: one pass of the target over the last token and the draft
             checked = self.passes.verify(runner, out.tokens[-1], draft, start)
@@ -172,16 +240,17 @@ class SelfSpecModel:
             # 5. emit (stops at EOS, a stopping criterion or max_new_tokens)
             out.emit(draft.tokens[: verdict.accepted] + [verdict.next_token])
             # 6. record
-            measured = dict(drafted=len(draft.tokens), accepted=verdict.accepted,
-                            draft_seconds=draft_seconds, verify_seconds=verify_seconds)
-            stats.record_round(**measured, source=draft.source)
-            if draft.source == "ngram":  # the layer policy learns from layer drafts only
-                measured.update(drafted=0, accepted=0, draft_seconds=0.0)
-            policy.update(**measured)
+            stats.record_round(drafted=len(draft.tokens), accepted=verdict.accepted, draft_seconds=draft_seconds,
+                               verify_seconds=verify_seconds, source=draft.source)
+            policy.observe(draft, verdict.accepted, draft_seconds=draft_seconds, verify_seconds=verify_seconds,
+                           width=len(draft.tokens) + 1)
 
         stats.new_tokens = len(out.tokens) - len(prompt)
         stats.total_seconds = clock.total()
-        stats.final_threshold = policy.threshold
+        stats.policy = policy.describe()
+        stats.final_threshold = policy.threshold if isinstance(policy, AdaptivePolicy) else None
+        if isinstance(policy, CostPolicy):
+            stats.costs = policy.costs.table.summary()
         return out.tokens, stats
 
     def _check_prompt(self, input_ids, attention_mask) -> list[int]:

@@ -30,6 +30,7 @@ from .draft import Drafter
 from .parts import text_config
 from .passes import TargetPasses
 from .plan import DraftPlan
+from .policy import AdaptivePolicy
 from .runner import LayerRunner
 
 GENERIC = Adapter(
@@ -107,7 +108,7 @@ def _self_check(model: nn.Module, adapter: Adapter) -> SelfCheck:
     prompt = torch.randint(0, vocab, (CHECK_PROMPT_LENGTH,), generator=generator).tolist()
     # Layer 0 is an exact prefix (its entries are kept and the verify pass resumes
     # after it); the last layer's draft entries are written, then dropped.
-    plan = DraftPlan(layers=sorted({0, num_layers - 1}), draft_length=CHECK_DRAFT_LENGTH)
+    plan = DraftPlan(layers=sorted({0, num_layers - 1}), draft_length=CHECK_DRAFT_LENGTH, policy="fixed")
     drafter = Drafter(plan, num_layers)
     passes = TargetPasses(num_layers, exact_prefix=drafter.exact_prefix)
     k = CHECK_DRAFT_LENGTH
@@ -116,7 +117,9 @@ def _self_check(model: nn.Module, adapter: Adapter) -> SelfCheck:
     prefill = runner.logits(runner.run(runner.embed(prompt, 0), range(num_layers), 0))  # [P, vocab]
     tokens = prompt + [int(prefill[-1].argmax())]
     start = len(tokens) - 1
-    draft = drafter.propose(runner, _Greedy(), tokens, k, None)
+    policy = AdaptivePolicy(plan)  # fixed k: the check must draft
+    policy.begin_round(k)
+    draft = drafter.propose(runner, _Greedy(), tokens, policy)
     # The verify pass, as the engine runs it: it resumes after layer 0 from the draft's saved states.
     verify = passes.verify(runner, tokens[-1], draft, start).logits  # [k+1, vocab]
 

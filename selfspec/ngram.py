@@ -13,13 +13,18 @@ from __future__ import annotations
 
 def lookup(tokens: list[int], *, max_ngram: int, budget: int) -> list[int]:
     """Up to `budget` tokens that followed the latest earlier match of the longest suffix (n <= max_ngram)."""
+    return longest_match(tokens, max_ngram=max_ngram, budget=budget)[0]
+
+
+def longest_match(tokens: list[int], *, max_ngram: int, budget: int) -> tuple[list[int], int]:
+    """`lookup`'s tokens and the length n of the matched suffix (0 when nothing matched)."""
     if budget < 1:
-        return []
+        return [], 0
     length = len(tokens)
     for n in range(min(max_ngram, length - 1), 0, -1):
         suffix = tokens[length - n :]
         # latest earlier occurrence: its start j satisfies j + n < length (not the suffix itself)
         for j in range(length - n - 1, -1, -1):
             if tokens[j : j + n] == suffix:
-                return tokens[j + n : j + n + budget]
-    return []
+                return tokens[j + n : j + n + budget], n
+    return [], 0

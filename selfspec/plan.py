@@ -11,9 +11,13 @@ Two ways to name the draft's layers (give exactly one):
   and the LM head;
 - `layers=[...]`: the draft runs these layers, in increasing order.
 
-The draft-length policy: at most `draft_length` tokens per round (k). With
-`adaptive=True` drafting also stops after a token whose draft probability is
-under a confidence threshold; the threshold starts at `threshold` and moves by
+The draft-length policy: at most `draft_length` tokens per round (k_max).
+`policy="cost"` (the default) drafts, each round, the length 0..k_max that
+maximises expected tokens per second on this machine: measured pass costs
+and acceptance learned online (`policy.py`, `costs.py`); `target_acceptance`
+is its prior acceptance. `policy="fixed"` drafts what the plan says: k_max
+tokens, or with `adaptive=True` until a token whose draft probability is under
+a confidence threshold; the threshold starts at `threshold` and moves by
 `threshold_step` after each round so that the observed acceptance rate tracks
 `target_acceptance` (the rule of Draft & Verify, Zhang et al. 2023).
 
@@ -50,6 +54,7 @@ import numpy as np
 PLAN_FORMAT = "selfspec.plan/1"
 MAX_DRAFT_LENGTH = 64
 MAX_NGRAM = 16
+POLICIES = ("cost", "fixed")  # see `policy.py`
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,7 @@ class DraftPlan:
     draft_vocab: str | None = None
     draft_vocab_size: int = 0
     name: str = ""
+    policy: str = "cost"
 
     def __post_init__(self) -> None:
         # One strict rule for every field: the type it names (ints are ints, never bools, floats or strings).
@@ -88,6 +94,8 @@ class DraftPlan:
         for field in ("threshold", "target_acceptance", "threshold_step"):
             _check_unit_interval(field, getattr(self, field))
         _check_int("ngram", self.ngram, 0, MAX_NGRAM)
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy={self.policy!r} is not a draft-length policy (valid: {', '.join(POLICIES)})")
         _check_int("draft_vocab_size", self.draft_vocab_size, 0, None)
         for field in ("head", "draft_vocab"):
             value = getattr(self, field)
@@ -195,8 +203,8 @@ class DraftPlan:
             where += f", draft vocabulary {size} from {os.path.basename(self.draft_vocab)}"
         if self.ngram:
             where = f"n-gram lookup (n<={self.ngram}), then {where}"
-        policy = f"k<={self.draft_length}"
-        if self.adaptive:
+        policy = f"k<={self.draft_length}" + (", k by measured cost" if self.policy == "cost" else "")
+        if self.adaptive and self.policy == "fixed":
             policy += f", adaptive (threshold {self.threshold:g} -> acceptance {self.target_acceptance:g})"
         return f"{where}, {policy}"
 

@@ -1,15 +1,213 @@
-"""How many tokens a round drafts: the runtime state of a plan's draft-length policy.
+"""How many tokens a round drafts: chosen per round by expected tokens per second, or fixed by the plan.
 
-The plan holds only the policy's starting values; `AdaptivePolicy` keeps what
-the rounds so far taught it and answers `budget()` (how many tokens this
-round may draft) and `threshold` (the confidence under which drafting stops).
+`CostPolicy` (a plan's `policy="cost"`, the default) drafts the length k, 0
+allowed, that maximises the round's expected emitted tokens over its
+expected time:
 
-This module does not run layers or read the cache: it sees counts and times.
+    E[tokens | k] / (draft time(k) + verify time(k + 1))
+
+The times come from the measured cost table (`costs.RuntimeCosts`). Expected
+tokens come from acceptance learned online (`AcceptanceEstimates`), per
+source: for layer drafts by the token's position in the round and the
+draft's confidence in it (its top probability); for n-gram proposals by the
+length of the match that found them. A layer draft is decided one token at a
+time: after each drafted token its confidence is known, and drafting goes on
+only while some longer draft still beats stopping now. An n-gram proposal is
+cut to its best length, and when that is 0 the layers get their turn. Every
+choice uses only what is known before the verify pass (draft tokens and
+confidences, past rounds), so sampling keeps its exact distribution.
+
+`AdaptivePolicy` (`policy="fixed"`) drafts what the plan says: k tokens, or
+with `adaptive=True` Draft & Verify's confidence threshold with an off switch.
+It is the baseline the cost policy is compared with, and what the tuner
+replays.
+
+This module does not run layers or read the cache: it sees counts, confidences and times.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .costs import RuntimeCosts, moving_average
+from .draft import Draft
 from .plan import DraftPlan
+
+CONFIDENCE_BINS = 10
+POSITION_BUCKETS = 4  # draft positions 1, 2, 3, 4+
+DECAY = 0.98  # per round: old evidence fades, so a source written off is tried again later
+PRIOR_WEIGHT = 2.0  # pseudo-observations behind the prior acceptance
+SHRINK = 2.0  # pseudo-observations pulling a (position, confidence) cell toward its position's rate
+
+
+def choose_length(
+    *,
+    accepted_so_far: float,
+    expected_so_far: float,
+    drafted: int,
+    future: Sequence[float],
+    spent: float,
+    draft_seconds: float,
+    verify_seconds: Callable[[int], float],
+) -> int:
+    """The total draft length k >= `drafted` that maximises expected tokens per second for this round.
+
+    `drafted` tokens are drafted already; all of them are accepted with
+    probability `accepted_so_far`, and the round emits `expected_so_far`
+    tokens in expectation if it stops now (1 + the sum over drafted tokens of
+    the chance that they and all before them are accepted). `future[j]` is the
+    chance that the next token j+1 is accepted given all before it were;
+    `spent` the seconds already spent drafting, `draft_seconds` those of one
+    more drafted token, `verify_seconds(q)` those of a verify pass over q
+    tokens. Ties go to the shorter draft.
+    """
+    best_k, best_rate = drafted, expected_so_far / (spent + verify_seconds(drafted + 1))
+    reach, expected, cost = accepted_so_far, expected_so_far, spent
+    for j, rate in enumerate(future):
+        k = drafted + j + 1
+        reach *= rate
+        expected += reach
+        cost += draft_seconds
+        tokens_per_second = expected / (cost + verify_seconds(k + 1))
+        if tokens_per_second > best_rate * (1 + 1e-9):
+            best_k, best_rate = k, tokens_per_second
+    return best_k
+
+
+@dataclass
+class Rate:
+    """Decayed counts of accepted and rejected tokens."""
+
+    accepted: float = 0.0
+    rejected: float = 0.0
+
+    @property
+    def seen(self) -> float:
+        return self.accepted + self.rejected
+
+    def estimate(self, prior: float, weight: float) -> float:
+        return (self.accepted + weight * prior) / (self.seen + weight)
+
+    def add(self, accepted: bool) -> None:
+        if accepted:
+            self.accepted += 1
+        else:
+            self.rejected += 1
+
+    def decay(self, factor: float) -> None:
+        self.accepted *= factor
+        self.rejected *= factor
+
+
+@dataclass
+class AcceptanceEstimates:
+    """Per-token acceptance learned online, per draft source (see the module docstring)."""
+
+    prior: float
+    positions: list[Rate] = field(default_factory=lambda: [Rate() for _ in range(POSITION_BUCKETS)])
+    cells: list[list[Rate]] = field(
+        default_factory=lambda: [[Rate() for _ in range(CONFIDENCE_BINS)] for _ in range(POSITION_BUCKETS)]
+    )
+    ngram: dict[int, Rate] = field(default_factory=dict)  # by match length
+
+    def layer_position(self, position: int) -> float:
+        """Acceptance of the token at draft `position` (1-based), given those before were accepted."""
+        return self.positions[_bucket(position)].estimate(self.prior, PRIOR_WEIGHT)
+
+    def layer_token(self, position: int, confidence: float) -> float:
+        """The same, for a drafted token whose confidence is known."""
+        cell = self.cells[_bucket(position)][_bin(confidence)]
+        return cell.estimate(self.layer_position(position), SHRINK)
+
+    def ngram_token(self, match_length: int) -> float:
+        return self.ngram.setdefault(match_length, Rate()).estimate(self.prior, PRIOR_WEIGHT)
+
+    def observe(self, draft: Draft, accepted: int) -> None:
+        """Tokens 1..accepted were accepted, token accepted+1 (if drafted) rejected; later ones unseen."""
+        seen = min(len(draft.tokens), accepted + 1)
+        for i in range(seen):
+            ok = i < accepted
+            if draft.source == "ngram":
+                self.ngram.setdefault(draft.match_length, Rate()).add(ok)
+            else:
+                self.positions[_bucket(i + 1)].add(ok)
+                self.cells[_bucket(i + 1)][_bin(draft.confidences[i])].add(ok)
+
+    def decay(self, factor: float = DECAY) -> None:
+        for rate in [*self.positions, *(c for row in self.cells for c in row), *self.ngram.values()]:
+            rate.decay(factor)
+
+    def summary(self) -> str:
+        def pct(rate: Rate) -> str:
+            return f"{rate.accepted / rate.seen:.0%}" if rate.seen >= 0.5 else "-"
+
+        layers = " ".join(f"{i + 1}{'+' if i == POSITION_BUCKETS - 1 else ''}:{pct(r)}"
+                          for i, r in enumerate(self.positions))
+        ngram = " ".join(f"n={n}:{pct(r)}" for n, r in sorted(self.ngram.items()))
+        return f"layers by position {layers}" + (f"; n-gram by match length {ngram}" if ngram else "")
+
+
+def _bucket(position: int) -> int:
+    return min(position, POSITION_BUCKETS) - 1
+
+
+def _bin(confidence: float) -> int:
+    return min(int(confidence * CONFIDENCE_BINS), CONFIDENCE_BINS - 1)
+
+
+class CostPolicy:
+    """Each round drafts the length that maximises expected tokens per second (see the module docstring)."""
+
+    wants_confidence = True
+
+    def __init__(self, plan: DraftPlan, costs: RuntimeCosts, *, exact_prefix: int = 0) -> None:
+        self.max_length = plan.draft_length
+        self.costs = costs
+        self.exact_prefix = exact_prefix
+        self.acceptance = AcceptanceEstimates(prior=plan.target_acceptance)
+        self.round_budget = plan.draft_length
+        self.reach = 1.0  # chance that every token drafted so far this round is accepted
+        self.expected = 1.0  # expected emitted tokens if the round stopped now
+
+    def begin_round(self, budget: int) -> None:
+        self.round_budget, self.reach, self.expected = budget, 1.0, 1.0
+
+    def ngram_length(self, match_length: int, available: int) -> int:
+        """How much of an n-gram proposal of `available` tokens to verify (0: none of it)."""
+        rate = self.acceptance.ngram_token(match_length)
+        return choose_length(
+            accepted_so_far=1.0, expected_so_far=1.0, drafted=0, future=[rate] * available, spent=0.0,
+            draft_seconds=0.0, verify_seconds=lambda q: self.costs.verify(q),
+        )
+
+    def draft_next(self, drafted: int, confidence: float | None) -> bool:
+        """Whether to draft one more layer token, after `drafted` this round (the last with `confidence`)."""
+        if drafted:
+            self.reach *= self.acceptance.layer_token(drafted, confidence)
+            self.expected += self.reach
+        remaining = self.round_budget - drafted
+        if remaining <= 0 or not self.costs.table.draft_step:
+            return False
+        future = [self.acceptance.layer_position(drafted + j + 1) for j in range(remaining)]
+        step = self.costs.draft()
+        k = choose_length(
+            accepted_so_far=self.reach, expected_so_far=self.expected, drafted=drafted, future=future,
+            spent=drafted * step, draft_seconds=step,
+            verify_seconds=lambda q: self.costs.verify(q, self.exact_prefix),
+        )
+        return k > drafted
+
+    def observe(self, draft: Draft, accepted: int, *, draft_seconds: float, verify_seconds: float, width: int) -> None:
+        self.acceptance.decay()
+        self.acceptance.observe(draft, accepted)
+        layered = draft.source == "layers" and draft.tokens
+        self.costs.observe_verify(width, self.exact_prefix if layered else 0, verify_seconds)
+        if layered:
+            self.costs.observe_draft(len(draft.tokens), draft_seconds)
+
+    def describe(self) -> str:
+        return f"cost (k by expected tokens/s; acceptance {self.acceptance.summary()})"
 
 
 class AdaptivePolicy:
@@ -39,6 +237,7 @@ class AdaptivePolicy:
         self.verify_cost: float | None = None  # smoothed seconds per verify pass
         self.paused = 0  # rounds left without drafting
         self.backoff = 4
+        self.round_budget = self.layer_budget = self.draft_length
 
     @property
     def threshold(self) -> float | None:
@@ -47,6 +246,33 @@ class AdaptivePolicy:
     def budget(self) -> int:
         """How many tokens this round may draft."""
         return 0 if self.paused else self.draft_length
+
+    # -- the interface the decode loop uses (see `CostPolicy`) ---------------------------
+
+    wants_confidence = property(lambda self: self.enabled)
+
+    def begin_round(self, budget: int) -> None:
+        self.round_budget = budget  # n-gram proposals may use it all, paused or not
+        self.layer_budget = min(budget, self.budget())
+
+    def ngram_length(self, match_length: int, available: int) -> int:
+        return available  # an n-gram proposal is free: always take it whole
+
+    def draft_next(self, drafted: int, confidence: float | None) -> bool:
+        if drafted >= self.layer_budget:
+            return False
+        threshold = self.threshold
+        return not drafted or threshold is None or confidence is None or confidence >= threshold
+
+    def observe(self, draft: Draft, accepted: int, *, draft_seconds: float, verify_seconds: float, width: int) -> None:
+        if draft.source == "ngram":  # the layer policy learns from layer drafts only
+            self.update(drafted=0, accepted=0, draft_seconds=0.0, verify_seconds=verify_seconds)
+        else:
+            self.update(drafted=len(draft.tokens), accepted=accepted, draft_seconds=draft_seconds,
+                        verify_seconds=verify_seconds)
+
+    def describe(self) -> str:
+        return "fixed k" if not self.enabled else f"confidence threshold (at the end {self.value:.2f})"
 
     def update(self, *, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         if not self.enabled:
@@ -66,4 +292,4 @@ class AdaptivePolicy:
 
 
 def _smooth(average: float | None, value: float, weight: float) -> float:
-    return value if average is None else weight * average + (1 - weight) * value
+    return value if average is None else moving_average(average, value, weight)

@@ -1,6 +1,6 @@
 """What one generation did, measured: drafted, accepted, tokens per pass, time.
 
-Counting rules (the words are defined in DESIGN.md):
+Counting rules (the words are those of the README's "How it works"):
 - a *verify pass* is one forward pass of the full model; the prompt's prefill
   counts as one (it emits the first new token), so plain decoding reports
   exactly 1.00 tokens per pass;
@@ -32,6 +32,9 @@ class GenerationStats:
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
     plan: str = ""
+    policy: str = ""  # the draft-length policy and what it learned
+    costs: str = ""  # the cost table the policy decided with (cost policy only)
+    drafted_lengths: list[int] = field(default_factory=list)  # drafted_lengths[k]: rounds that drafted k tokens
     final_threshold: float | None = None
 
     @property
@@ -65,6 +68,9 @@ class GenerationStats:
             self.recovered += 1
         else:
             self.bonus += 1 if drafted else 0
+        while len(self.drafted_lengths) <= drafted:
+            self.drafted_lengths.append(0)
+        self.drafted_lengths[drafted] += 1
         while len(self.accepted_lengths) <= accepted:
             self.accepted_lengths.append(0)
         self.accepted_lengths[accepted] += 1
@@ -86,7 +92,7 @@ class GenerationStats:
             f"{self.rounds_without_draft} rounds without a draft), "
             f"tokens per pass {self.tokens_per_pass:.2f}",
             f"drafted {self.drafted}, accepted {self.accepted}, acceptance rate {self.acceptance_rate:.1%}",
-            f"accepted length histogram: {self.accepted_lengths}",
+            f"drafted length histogram: {self.drafted_lengths}; accepted length histogram: {self.accepted_lengths}",
             *(
                 [f"from n-gram lookup: drafted {self.ngram_drafted}, accepted {self.ngram_accepted}; "
                  f"from layers: drafted {self.drafted - self.ngram_drafted}, accepted {self.accepted - self.ngram_accepted}"]
@@ -95,6 +101,8 @@ class GenerationStats:
             f"time: prefill {self.prefill_seconds:.3f} s, draft {self.draft_seconds:.3f} s, "
             f"verify {self.verify_seconds:.3f} s",
         ]
-        if self.final_threshold is not None:
-            lines.append(f"adaptive threshold at the end: {self.final_threshold:.2f}")
+        if self.policy:
+            lines.append(f"draft length: {self.policy}")
+        if self.costs:
+            lines.append(f"costs: {self.costs}")
         return "\n".join(lines)

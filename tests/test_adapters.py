@@ -89,7 +89,7 @@ def test_default_plan_is_lossless(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_seeded_sampling_runs_and_reproduces(arch):
     model = model_for(arch)
-    spec = selfspec.wrap(model, plan=selfspec.DraftPlan(layers=[0, 2, 3, 5], draft_length=4))
+    spec = selfspec.wrap(model, plan=selfspec.DraftPlan(layers=[0, 2, 3, 5], draft_length=4, policy="fixed"))
     prompt = random_prompt(22, seed=6)
 
     def sample(seed: int) -> torch.Tensor:
@@ -117,9 +117,9 @@ def test_prompt_longer_than_the_sliding_window(arch):
     global_layers = [i for i, w in enumerate(parts.windows) if w is None]
     sliding_only = [i for i, w in enumerate(parts.windows) if w is not None]
     for plan in (
-        selfspec.DraftPlan(exit_layer=num_layers // 2, draft_length=6),
-        selfspec.DraftPlan(layers=sliding_only, draft_length=5),  # skips every global layer (if any)
-        selfspec.DraftPlan(layers=sorted({0, *global_layers} if global_layers else {0, num_layers - 1}), draft_length=3),
+        selfspec.DraftPlan(exit_layer=num_layers // 2, draft_length=6, policy="fixed"),
+        selfspec.DraftPlan(layers=sliding_only, draft_length=5, policy="fixed"),  # skips every global layer (if any)
+        selfspec.DraftPlan(layers=sorted({0, *global_layers} if global_layers else {0, num_layers - 1}), draft_length=3, policy="fixed"),
     ):
         assert_same(selfspec.wrap(model, plan=plan).generate(prompt, max_new_tokens=30), ref, plan)
 
@@ -156,7 +156,7 @@ def test_eager_attention_uses_additive_masks_and_stays_lossless():
     model.generation_config.eos_token_id = None
     prompt = random_prompt(12, seed=8)
     ref = model.generate(prompt, do_sample=False, max_new_tokens=20)
-    plan = selfspec.DraftPlan(layers=[0, 1, 4], draft_length=4)
+    plan = selfspec.DraftPlan(layers=[0, 1, 4], draft_length=4, policy="fixed")
     assert_same(selfspec.wrap(model, plan=plan).generate(prompt, max_new_tokens=20), ref, plan)
 
 

@@ -11,9 +11,9 @@ from selfspec.testing import TINY_CONFIGS, random_prompt, tiny_model
 
 ARCHS = sorted(TINY_CONFIGS)
 PLANS = [
-    selfspec.DraftPlan(exit_layer=3, draft_length=5),
-    selfspec.DraftPlan(layers=[0, 1, 4], draft_length=4),
-    selfspec.DraftPlan(layers=[2, 3, 5], draft_length=3),  # skips layer 0: no exact prefix
+    selfspec.DraftPlan(exit_layer=3, draft_length=5, policy="fixed"),
+    selfspec.DraftPlan(layers=[0, 1, 4], draft_length=4, policy="fixed"),
+    selfspec.DraftPlan(layers=[2, 3, 5], draft_length=3, policy="fixed"),  # skips layer 0: no exact prefix
     selfspec.DraftPlan(layers=[0, 2, 3, 5], adaptive=True, draft_length=6),
 ]
 

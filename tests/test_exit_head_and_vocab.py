@@ -42,12 +42,12 @@ def test_head_and_vocab_greedy_match_generate(arch, dtype, tmp_path):
     head = make_head(model, tmp_path / "head", exit_layer=2, noise=0.05)
     vocab = make_vocab(model, tmp_path / "vocab")
     plans = [
-        selfspec.DraftPlan(exit_layer=2, head=str(head), draft_length=3),
-        selfspec.DraftPlan(exit_layer=2, head=str(head), draft_length=6, adaptive=True, threshold=0.3),
-        selfspec.DraftPlan(exit_layer=2, head=str(head), draft_length=4, ngram=2),
-        selfspec.DraftPlan(exit_layer=2, head=str(head), draft_vocab=str(vocab), draft_vocab_size=20, draft_length=4),
-        selfspec.DraftPlan(layers=[0, 2, 5], draft_vocab=str(vocab), draft_vocab_size=5, draft_length=5),
-        selfspec.DraftPlan(exit_layer=4, draft_vocab=str(vocab), draft_length=2, ngram=3),
+        selfspec.DraftPlan(exit_layer=2, head=str(head), draft_length=3, policy="fixed"),
+        selfspec.DraftPlan(exit_layer=2, head=str(head), draft_length=6, adaptive=True, threshold=0.3, policy="fixed"),
+        selfspec.DraftPlan(exit_layer=2, head=str(head), draft_length=4, ngram=2, policy="fixed"),
+        selfspec.DraftPlan(exit_layer=2, head=str(head), draft_vocab=str(vocab), draft_vocab_size=20, draft_length=4, policy="fixed"),
+        selfspec.DraftPlan(layers=[0, 2, 5], draft_vocab=str(vocab), draft_vocab_size=5, draft_length=5, policy="fixed"),
+        selfspec.DraftPlan(exit_layer=4, draft_vocab=str(vocab), draft_length=2, ngram=3, policy="fixed"),
     ]
     for seed, plan in enumerate(plans):
         prompt = random_prompt(7 + 3 * seed, seed=seed)
@@ -63,7 +63,7 @@ def test_head_equal_to_last_layer_accepts_everything(arch, ngram, tmp_path):
     model = tiny_model(arch)
     n = model.config.get_text_config().num_hidden_layers
     head = make_head(model, tmp_path / "head", exit_layer=n - 1, source_layer=n - 1)
-    plan = selfspec.DraftPlan(exit_layer=n - 1, head=str(head), draft_length=4, ngram=ngram)
+    plan = selfspec.DraftPlan(exit_layer=n - 1, head=str(head), draft_length=4, ngram=ngram, policy="fixed")
     spec = selfspec.wrap(model, plan=plan)
     prompt = random_prompt(11, seed=3)
     out = spec.generate(prompt, max_new_tokens=40)

@@ -50,8 +50,8 @@ def test_gemma3_greedy_identical_to_generate(gemma3):
     assert model.config.model_type == "gemma3_text" and model.dtype == torch.float32
     default = selfspec.wrap(model)
     assert default.adapter.name == "gemma3_text"
-    skip = selfspec.DraftPlan(layers=[i for i in range(18) if i not in (2, 4, 6, 8)], draft_length=4)
-    early_exit = selfspec.DraftPlan(exit_layer=13, draft_length=4, adaptive=True, threshold=0.4)
+    skip = selfspec.DraftPlan(layers=[i for i in range(18) if i not in (2, 4, 6, 8)], draft_length=4, policy="fixed")
+    early_exit = selfspec.DraftPlan(exit_layer=13, draft_length=4, adaptive=True, threshold=0.4, policy="fixed")
     plans = {"default": default.plan, "early-exit": early_exit, "layer-skip": skip}
     totals = {name: dict(drafted=0, accepted=0, passes=0, emitted=0) for name in plans}
     identical = near_ties = 0
@@ -93,6 +93,6 @@ def test_gemma3_sliding_window_layers_cross_their_window(gemma3):
     assert ids.shape[1] > 520
     with torch.no_grad():
         ref = model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
-    spec = selfspec.wrap(model, plan=selfspec.DraftPlan(exit_layer=13, draft_length=4))
+    spec = selfspec.wrap(model, plan=selfspec.DraftPlan(exit_layer=13, draft_length=4, policy="fixed"))
     out = spec.generate(ids, max_new_tokens=24, min_new_tokens=24)
     assert_identical_or_near_tie(model, out, ref, ids.shape[1])

@@ -56,7 +56,7 @@ def test_every_exit_layer(arch, exit_layer):
     model = tiny_model(arch)
     prompt = random_prompt(9, seed=exit_layer)
     for k in (1, 4, 10):
-        plan = selfspec.DraftPlan(exit_layer=exit_layer, draft_length=k)
+        plan = selfspec.DraftPlan(exit_layer=exit_layer, draft_length=k, policy="fixed")
         out = selfspec.wrap(model, plan=plan).generate(prompt, max_new_tokens=33)
         assert_same(out, reference(model, prompt, max_new_tokens=33), plan)
 
@@ -64,7 +64,7 @@ def test_every_exit_layer(arch, exit_layer):
 def test_full_depth_draft_accepts_everything():
     """A 'draft' that runs every layer is the target itself: every drafted token is accepted."""
     model = tiny_model("llama")
-    spec = selfspec.wrap(model, plan=selfspec.DraftPlan(exit_layer=6, draft_length=5))
+    spec = selfspec.wrap(model, plan=selfspec.DraftPlan(exit_layer=6, draft_length=5, policy="fixed"))
     out = spec.generate(random_prompt(5), max_new_tokens=31)
     assert_same(out, reference(model, random_prompt(5), max_new_tokens=31), spec.plan)
     assert spec.last_stats.acceptance_rate == 1.0
@@ -95,7 +95,7 @@ def test_stopping_criterion_inside_a_draft(arch):
     for stop_at in (new[2], new[7], new[15]):
         criteria = StoppingCriteriaList([StopAfterToken(stop_at)])
         ref = reference(model, prompt, max_new_tokens=30, stopping_criteria=criteria)
-        for plan in (selfspec.DraftPlan(exit_layer=5, draft_length=8), selfspec.DraftPlan(layers=[0, 2, 3, 5])):
+        for plan in (selfspec.DraftPlan(exit_layer=5, draft_length=8, policy="fixed"), selfspec.DraftPlan(layers=[0, 2, 3, 5])):
             out = selfspec.wrap(model, plan=plan).generate(prompt, max_new_tokens=30, stopping_criteria=criteria)
             assert_same(out, ref, plan)
 
@@ -134,7 +134,7 @@ def test_streamer_gets_prompt_then_one_put_per_accepted_chunk():
             self.ended = True
 
     rec = Recorder()
-    spec = selfspec.wrap(model, plan=selfspec.DraftPlan(exit_layer=5, draft_length=4))
+    spec = selfspec.wrap(model, plan=selfspec.DraftPlan(exit_layer=5, draft_length=4, policy="fixed"))
     out = spec.generate(prompt, max_new_tokens=25, streamer=rec)
     assert rec.puts[0] == prompt.tolist() and rec.ended
     streamed = [t for chunk in rec.puts[1:] for t in chunk]

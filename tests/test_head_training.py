@@ -40,7 +40,7 @@ def test_training_lowers_kl_and_raises_agreement(tmp_path):
         assert torch.equal(v, before[k]), k
 
     path = save_head(tmp_path / "head", head.requires_grad_(False), model=model, parts=parts, training=log.as_dict())
-    plan = selfspec.DraftPlan(exit_layer=2, head=str(path), draft_length=4)
+    plan = selfspec.DraftPlan(exit_layer=2, head=str(path), draft_length=4, policy="fixed")
     spec = selfspec.wrap(model, plan=plan)
     prompt = random_prompt(8, seed=99)
     out = spec.generate(prompt, max_new_tokens=30)

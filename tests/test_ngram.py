@@ -24,8 +24,8 @@ def test_lookup_copies_what_followed_the_latest_longest_match():
     "plan",
     [
         selfspec.DraftPlan(ngram=3, draft_length=6),  # n-gram only: a round without a match is a plain step
-        selfspec.DraftPlan(ngram=2, layers=[0, 1, 4], draft_length=4),
-        selfspec.DraftPlan(ngram=1, exit_layer=3, draft_length=8, adaptive=True),
+        selfspec.DraftPlan(ngram=2, layers=[0, 1, 4], draft_length=4, policy="fixed"),
+        selfspec.DraftPlan(ngram=1, exit_layer=3, draft_length=8, adaptive=True, policy="fixed"),
     ],
     ids=lambda p: p.describe(6),
 )

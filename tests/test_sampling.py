@@ -332,27 +332,27 @@ CASES = {
     # name: (plan, sampling kwargs, the same processing as transformers' warpers);
     # a plan may be a function of the `artifacts` fixture
     "T=1, exit_layer=2, k=3": (
-        selfspec.DraftPlan(exit_layer=2, draft_length=3),
+        selfspec.DraftPlan(exit_layer=2, draft_length=3, policy="fixed"),
         dict(temperature=1.0),
         LogitsProcessorList([]),
     ),
     "T=0.7, top_k=6, layers=[0,2], k=4": (
-        selfspec.DraftPlan(layers=[0, 2], draft_length=4),
+        selfspec.DraftPlan(layers=[0, 2], draft_length=4, policy="fixed"),
         dict(temperature=0.7, top_k=6),
         LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(6)]),
     ),
     "T=1.3, top_p=0.8, layers=[1,3], k=3": (
-        selfspec.DraftPlan(layers=[1, 3], draft_length=3),
+        selfspec.DraftPlan(layers=[1, 3], draft_length=3, policy="fixed"),
         dict(temperature=1.3, top_p=0.8),
         LogitsProcessorList([TemperatureLogitsWarper(1.3), TopPLogitsWarper(0.8)]),
     ),
     "T=1, exit_layer=2 + head, k=3": (
-        lambda a: selfspec.DraftPlan(exit_layer=2, head=a["head"], draft_length=3),
+        lambda a: selfspec.DraftPlan(exit_layer=2, head=a["head"], draft_length=3, policy="fixed"),
         dict(temperature=1.0),
         LogitsProcessorList([]),
     ),
     "T=0.8, top_p=0.9, head + draft vocabulary 6/16, k=3": (
-        lambda a: selfspec.DraftPlan(exit_layer=2, head=a["head"], draft_vocab=a["vocab"], draft_vocab_size=6,
+        lambda a: selfspec.DraftPlan(policy="fixed", exit_layer=2, head=a["head"], draft_vocab=a["vocab"], draft_vocab_size=6,
                                      draft_length=3),
         dict(temperature=0.8, top_p=0.9),
         LogitsProcessorList([TemperatureLogitsWarper(0.8), TopPLogitsWarper(0.9)]),
@@ -416,7 +416,7 @@ def test_end_to_end_check_has_power(model, monkeypatch):
 
 # -- 3. and 4. seeds and plans -------------------------------------------------------------------
 
-DRAFT_PLAN = selfspec.DraftPlan(exit_layer=1, draft_length=4)
+DRAFT_PLAN = selfspec.DraftPlan(exit_layer=1, draft_length=4, policy="fixed")
 
 
 def test_seeded_generator_reproduces(model):

@@ -51,7 +51,7 @@ def test_greedy_identical_to_generate_on_chat_prompts(smollm2):
     model, tokenizer = smollm2
     plans = [
         None,  # the adapter's default plan
-        selfspec.DraftPlan(layers=[0, 1, 2, 3, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 27, 28, 29], draft_length=4),
+        selfspec.DraftPlan(layers=[0, 1, 2, 3, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 27, 28, 29], draft_length=4, policy="fixed"),
     ]
     identical, near_ties, drafted, accepted, passes, emitted = 0, 0, 0, 0, 0, 0
     for prompt in CHAT_PROMPTS:

@@ -1,0 +1,290 @@
+"""What a pass costs on the machine at hand: measured once, cached, refined as the rounds run.
+
+Whether a draft pays depends on the machine. On a GPU or an AVX-512-BF16 CPU a
+verify pass over 9 tokens costs little more than a plain step; on an AVX2-only
+CPU in bfloat16 it costs almost 4. So nothing here is assumed:
+
+- `PassCosts` is a cost table in seconds: a full pass over q new tokens
+  (q = 1 is a plain decoding step) for every width a round can verify, and
+  one drafted token through the plan's layers (exit head and draft
+  vocabulary included). `measure_pass_costs` times them in a fraction of a
+  second; `load_or_measure` keeps the result on disk, keyed by the model, the
+  plan's draft, dtype, device, thread count and the processor.
+- `PassCosts.profile("linear" | "flat", ...)` builds a table by rule, for
+  tests and for asking "what would this machine do on another kind".
+- `RuntimeCosts` is what a generation uses: the table, scaled by what the
+  rounds actually measure (every round times its draft and its verify pass),
+  so a busy machine, a long context or a cold start is learned, not ignored.
+
+This module times passes; it does not know acceptance or decide draft lengths
+(`policy.py` does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .loading import default_cache_dir
+
+COSTS_FORMAT = "selfspec.costs/1"
+MEASURE_CONTEXT = 48  # tokens already in the cache while timing
+FLAT_UP_TO = 16  # the "flat" profile: a pass over up to this many tokens costs one step
+
+
+@dataclass(frozen=True)
+class PassCosts:
+    """Seconds per pass: `verify[q-1]` for a full pass over q tokens, `draft_step` per drafted token."""
+
+    verify: tuple[float, ...]  # q = 1..max width; verify[0] is one plain decoding step
+    draft_step: float  # one drafted token through the plan's layers (0.0: the plan has no layer draft)
+    num_layers: int
+    machine: str = ""
+    source: str = "measured"  # "measured", "cached" (measured earlier on this machine), or a profile name
+    measure_seconds: float = 0.0  # wall time the measurement took
+
+    def __post_init__(self) -> None:
+        if not self.verify or any(not (t > 0) for t in self.verify):
+            raise ValueError(f"verify costs must be positive seconds for widths 1.., got {self.verify}")
+        if self.draft_step < 0:
+            raise ValueError(f"draft_step must be >= 0 seconds, got {self.draft_step}")
+
+    @property
+    def max_width(self) -> int:
+        return len(self.verify)
+
+    @property
+    def step(self) -> float:
+        """One plain decoding step, in seconds."""
+        return self.verify[0]
+
+    def verify_seconds(self, width: int, exact_prefix: int = 0) -> float:
+        """A verify pass over `width` tokens whose first `exact_prefix` layers already ran for all but one."""
+        full = self.verify[min(width, self.max_width) - 1]
+        if width <= 1 or not exact_prefix:
+            return full
+        return full - (exact_prefix / self.num_layers) * (full - self.step)  # those layers see one token
+
+    @classmethod
+    def profile(
+        cls, kind: str, *, max_width: int = 17, step: float = 1.0, draft_fraction: float = 0.25, num_layers: int = 1
+    ) -> "PassCosts":
+        """A table by rule: "linear" (q tokens cost q steps: AVX2 bfloat16) or "flat" (up to 16 cost one step)."""
+        if kind == "linear":
+            verify = tuple(step * q for q in range(1, max_width + 1))
+        elif kind == "flat":
+            verify = tuple(step * max(1.0, q / FLAT_UP_TO) for q in range(1, max_width + 1))
+        else:
+            raise ValueError(f"unknown cost profile {kind!r} (valid: 'linear', 'flat')")
+        return cls(verify, draft_fraction * step, num_layers, machine=f"{kind} profile", source=kind)
+
+    def relative(self) -> dict[str, Any]:
+        """The table in units of one plain step."""
+        return {
+            "verify": [round(t / self.step, 3) for t in self.verify],
+            "draft_step": round(self.draft_step / self.step, 3),
+        }
+
+    def summary(self) -> str:
+        widths = sorted({1, 2, 4, 8, 16, self.max_width} & set(range(1, self.max_width + 1)))
+        verify = ", ".join(f"{q}: {self.verify[q - 1] / self.step:.2f}" for q in widths)
+        draft = f"draft step {self.draft_step / self.step:.3f}" if self.draft_step else "no layer draft"
+        return (
+            f"plain step {self.step * 1e3:.2f} ms; in plain steps: verify of q tokens {{{verify}}}, {draft} "
+            f"[{self.source}; {self.machine}]"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": COSTS_FORMAT, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PassCosts":
+        if data.get("format") != COSTS_FORMAT:
+            raise ValueError(f"not a cost table (format {data.get('format')!r}, expected {COSTS_FORMAT!r})")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in fields}
+        values["verify"] = tuple(float(t) for t in values["verify"])
+        return cls(**values)
+
+
+def machine_description(device: torch.device) -> str:
+    """The processor that runs the passes: GPU name, or CPU model, ISA level and thread count."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
+    return f"{cpu_model()}, {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@torch.no_grad()
+def measure_pass_costs(
+    runner_for: Callable[[int], Any],
+    draft_step: Callable[[Any, int], None] | None,
+    *,
+    num_layers: int,
+    vocab_size: int,
+    max_width: int,
+    repeats: int = 2,
+) -> PassCosts:
+    """Time full passes over 1, 2, 4, 8, ... and `max_width` tokens, and one draft step.
+
+    `runner_for(capacity)` makes a `LayerRunner` on the shared-cache layout;
+    `draft_step(runner, position)` runs one drafted token at `position` (it may
+    write cache entries; they are cropped after). Widths between the measured
+    ones are interpolated linearly. Each timing is the minimum of `repeats`
+    runs after one warm-up run: on a shared machine the minimum is the
+    cost, the rest is other load. The rounds refine it later.
+    """
+    began = time.perf_counter()
+    context = MEASURE_CONTEXT
+    runner = runner_for(context + max_width + 1)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size, (context + max_width,), generator=generator).tolist()
+    every_layer = range(len(runner.layers))
+    runner.run(runner.embed(ids[:context], 0), every_layer, 0)
+    device = runner.positions.device
+
+    def timed(fn: Callable[[], None]) -> float:
+        best = float("inf")
+        for i in range(repeats + 1):
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            if i:  # the first run warms up
+                best = min(best, time.perf_counter() - start)
+            runner.cache.crop(context)
+        return best
+
+    def full_pass(q: int) -> Callable[[], None]:
+        def run() -> None:
+            hidden = runner.run(runner.embed(ids[context : context + q], context), range(num_layers), context)
+            runner.logits(hidden)
+
+        return run
+
+    widths = sorted({q for q in (1, 2, 4, 8, 16, 32, 64) if q < max_width} | {max_width})
+    measured = {q: timed(full_pass(q)) for q in widths}
+    verify = _interpolate(measured, max_width)
+    step = timed(lambda: draft_step(runner, context)) if draft_step is not None else 0.0
+    return PassCosts(
+        verify,
+        step,
+        num_layers,
+        machine=machine_description(device),
+        measure_seconds=time.perf_counter() - began,
+    )
+
+
+def _interpolate(measured: dict[int, float], max_width: int) -> tuple[float, ...]:
+    """Seconds for every width 1..max_width, linear between measured widths, never decreasing."""
+    points = sorted(measured.items())
+    out, floor = [], 0.0
+    for q in range(1, max_width + 1):
+        lo = max((p for p in points if p[0] <= q), default=points[0])
+        hi = min((p for p in points if p[0] >= q), default=points[-1])
+        value = lo[1] if hi[0] == lo[0] else lo[1] + (hi[1] - lo[1]) * (q - lo[0]) / (hi[0] - lo[0])
+        floor = max(floor, value)
+        out.append(floor)
+    return tuple(out)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cache_key(**identity: Any) -> str:
+    """A short stable key for a cost table's identity (model, plan's draft, dtype, device, threads, processor)."""
+    identity = {**identity, "torch": torch.__version__, "format": COSTS_FORMAT}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def costs_cache_dir() -> Path | None:
+    """Where cost tables are kept: $SELFSPEC_COSTS_CACHE ("off": nowhere), else `costs/` in selfspec's cache."""
+    explicit = os.environ.get("SELFSPEC_COSTS_CACHE")
+    if explicit == "off":
+        return None
+    return Path(explicit).expanduser() if explicit else default_cache_dir() / "costs"
+
+
+def load_or_measure(folder: Path | None, key: str, measure: Callable[[], PassCosts]) -> PassCosts:
+    """The table cached under `folder/key.json`, else measured now (and cached when `folder` is given)."""
+    path = folder / f"{key}.json" if folder is not None else None
+    if path is not None and path.is_file():
+        try:
+            return dataclasses.replace(PassCosts.from_dict(json.loads(path.read_text())), source="cached")
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError):
+            pass  # a damaged or older file: measure again and overwrite it
+    costs = measure()
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(costs.to_dict(), indent=1) + "\n")
+            tmp.replace(path)
+        except OSError:
+            pass  # a read-only cache folder only costs a measurement next time
+    return costs
+
+
+class RuntimeCosts:
+    """A cost table as one generation uses it: scaled by what its rounds measure.
+
+    Each observed verify pass updates a ratio (observed / table) for its
+    width, and each layer draft a ratio for the draft step, as moving
+    averages; a width not seen yet uses the average ratio of all widths. With
+    `learn=False` the table is used as it is (injected profiles; seeded
+    sampling, whose draws must not depend on timing noise).
+    """
+
+    SMOOTHING = 0.8  # weight of the past
+
+    def __init__(self, table: PassCosts, *, learn: bool = True) -> None:
+        self.table = table
+        self.learn = learn
+        self.verify_ratio: dict[int, float] = {}
+        self.overall_ratio = 1.0
+        self.draft_ratio = 1.0
+
+    def verify(self, width: int, exact_prefix: int = 0) -> float:
+        ratio = self.verify_ratio.get(width, self.overall_ratio)
+        return self.table.verify_seconds(width, exact_prefix) * ratio
+
+    def draft(self) -> float:
+        return self.table.draft_step * self.draft_ratio
+
+    def observe_verify(self, width: int, exact_prefix: int, seconds: float) -> None:
+        if not self.learn or seconds <= 0:
+            return
+        ratio = seconds / self.table.verify_seconds(width, exact_prefix)
+        self.verify_ratio[width] = moving_average(self.verify_ratio.get(width, self.overall_ratio), ratio, self.SMOOTHING)
+        self.overall_ratio = moving_average(self.overall_ratio, ratio, self.SMOOTHING)
+
+    def observe_draft(self, steps: int, seconds: float) -> None:
+        if not self.learn or steps <= 0 or seconds <= 0 or not self.table.draft_step:
+            return
+        self.draft_ratio = moving_average(self.draft_ratio, seconds / steps / self.table.draft_step, self.SMOOTHING)
+
+
+def moving_average(average: float, value: float, weight: float) -> float:
+    """`weight` x the past + (1 - weight) x the new value."""
+    return weight * average + (1 - weight) * value
