@@ -33,11 +33,11 @@ c = ln(2 V / DELTA), so each check falsely fails with probability at most
 DELTA = 1e-7, whatever the number of cells. A cell with p_i = 0 that is ever
 observed gives KL = inf: an impossible token fails the check outright.
 
-This file runs CHECKS_IN_FILE = 40 such checks on samples whose law is the
+This file runs CHECKS_IN_FILE = 64 such checks on samples whose law is the
 reference law (test 1: 6 pairs + 4 Markov-chain checks + 6 checks that the
-wrong-rule harness produces the wrong rule's own exact law; test 2: 5 cases x
+wrong-rule harness produces the wrong rule's own exact law; test 2: 6 cases x
 8), so over random seeds the whole file would falsely fail with probability
-at most 56 * 1e-7 = 5.6e-6 (< 1e-5). All seeds are fixed, so the outcome is
+at most 64 * 1e-7 = 6.4e-6 (< 1e-5). All seeds are fixed, so the outcome is
 deterministic anyway.
 
 Power (a wrong sampler must fail): in test 1 a wrong rule is only run on
@@ -70,7 +70,7 @@ from selfspec.acceptance import Verdict, accept_sampling, sample
 from selfspec.testing import make_head, make_vocab
 
 DELTA = 1e-7  # false-failure probability bound of one `assert_distribution` check
-CHECKS_IN_FILE = 56  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
+CHECKS_IN_FILE = 64  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -357,7 +357,14 @@ CASES = {
         dict(temperature=0.8, top_p=0.9),
         LogitsProcessorList([TemperatureLogitsWarper(0.8), TopPLogitsWarper(0.9)]),
     ),
+    # k chosen per round from the draft's confidences (a flat cost profile makes drafting pay)
+    "T=0.9, layers=[0,2], cost policy (flat profile), k<=4": (
+        selfspec.DraftPlan(layers=[0, 2], draft_length=4),
+        dict(temperature=0.9),
+        LogitsProcessorList([TemperatureLogitsWarper(0.9)]),
+    ),
 }
+COSTS = {"T=0.9, layers=[0,2], cost policy (flat profile), k<=4": "flat"}
 
 
 def run_many(spec, n: int, seed: int, **sampling) -> tuple[torch.Tensor, dict]:
@@ -394,7 +401,7 @@ def test_sampling_matches_exact_target_law(model, artifacts, case):
     plan, sampling, warpers = CASES[case]
     plan = plan(artifacts) if callable(plan) else plan
     exact = exact_joint(model, warpers, NEW)
-    spec = selfspec.wrap(model, plan=plan)
+    spec = selfspec.wrap(model, plan=plan, costs=COSTS.get(case))
     counts, totals = run_many(spec, N_E2E, seed=11, **sampling)
     # the drafted/verified machinery was really exercised, on every path
     assert totals["drafted"] > 0 and totals["accepted"] > 0, totals

@@ -1,0 +1,197 @@
+"""The cost model and the cost policy: decisions checked against known answers on injected profiles.
+
+- `choose_length` on the kinds of machine we know: a linear verify (AVX2 in
+  bfloat16: q tokens cost about q steps) makes every draft lose, so k = 0; a
+  flat verify (GPU, AVX-512 BF16) makes long drafts pay when they are
+  accepted; the AVX2 table measured in issue 11 pays only for well-accepted
+  n-gram proposals, and only for a few tokens.
+- `CostPolicy` on injected tables: it never drafts on a linear profile, cuts
+  n-gram proposals to what pays, stops a layer draft after an unconfident
+  token, and learns acceptance per source from what the target kept.
+- `RuntimeCosts` follows what rounds measure; `measure_pass_costs` and the
+  disk cache give a table of the right shape on a real (tiny) model.
+- End to end: with a linear profile injected the engine runs exactly its
+  plain path (no round drafts), and no slower than it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+
+import selfspec
+from selfspec.costs import PassCosts, RuntimeCosts
+from selfspec.draft import Draft
+from selfspec.policy import AcceptanceEstimates, CostPolicy, choose_length
+from selfspec.testing import random_prompt, tiny_model
+
+# Issue 11, AVX2 host, bfloat16, 2 threads: a pass over q tokens in plain steps (q = 1, 2, 4, 9, 16).
+AVX2_BF16 = {1: 1.00, 2: 1.42, 4: 2.08, 9: 3.81, 16: 6.05}
+
+
+def avx2_table() -> PassCosts:
+    points = sorted(AVX2_BF16.items())
+    verify = []
+    for q in range(1, 17):
+        lo = max(p for p in points if p[0] <= q)
+        hi = min(p for p in points if p[0] >= q)
+        verify.append(lo[1] if hi == lo else lo[1] + (hi[1] - lo[1]) * (q - lo[0]) / (hi[0] - lo[0]))
+    return PassCosts(tuple(verify), 0.3, 30, source="avx2-bf16")
+
+
+def best(rate: float, table: PassCosts, budget: int, draft: float) -> int:
+    return choose_length(accepted_so_far=1.0, expected_so_far=1.0, drafted=0, future=[rate] * budget, spent=0.0,
+                         draft_seconds=draft, verify_seconds=table.verify_seconds)
+
+
+@pytest.mark.parametrize("rate", [0.3, 0.7, 0.9, 0.99])
+@pytest.mark.parametrize("draft", [0.0, 0.1, 0.5])
+def test_linear_verify_never_drafts(rate, draft):
+    assert best(rate, PassCosts.profile("linear", max_width=17), 16, draft) == 0
+
+
+def test_flat_verify_drafts_long_when_accepted_and_not_when_rejected():
+    flat = PassCosts.profile("flat", max_width=9)
+    assert best(0.8, flat, 8, draft=0.05) == 8  # each token is nearly free and usually kept
+    assert best(0.9, flat, 8, draft=0.0) == 8  # an n-gram proposal on a GPU: take all of it
+    assert best(0.3, flat, 8, draft=0.5) == 0  # half a step per token for 30% acceptance: plain is faster
+    assert 1 <= best(0.6, flat, 8, draft=0.2) < 8  # in between: a few tokens
+
+
+def test_measured_avx2_table_pays_only_for_well_accepted_copies():
+    table = avx2_table()
+    assert best(0.3, table, 8, draft=0.0) == 0  # little to copy: plain decoding
+    assert best(0.5, table, 8, draft=0.0) <= 1
+    assert 3 <= best(0.9, table, 8, draft=0.0) <= 6  # a good n-gram match: a few tokens, not all 8
+    assert best(0.6, table, 8, draft=0.3) == 0  # a layer draft at 0.3 steps per token needs more than 60%
+
+
+def test_stopping_counts_what_is_already_spent():
+    flat = PassCosts.profile("flat", max_width=9)
+    # Two tokens drafted, the second with a low chance: going on cannot recover the round's rate.
+    k = choose_length(accepted_so_far=0.05, expected_so_far=1.9, drafted=2, future=[0.9] * 6, spent=0.4,
+                      draft_seconds=0.2, verify_seconds=flat.verify_seconds)
+    assert k == 2
+    k = choose_length(accepted_so_far=0.9, expected_so_far=2.7, drafted=2, future=[0.9] * 6, spent=0.1,
+                      draft_seconds=0.05, verify_seconds=flat.verify_seconds)
+    assert k == 8
+
+
+def policy(profile: str, *, draft_fraction: float = 0.2, draft_length: int = 8, prior: float = 0.8) -> CostPolicy:
+    plan = selfspec.DraftPlan(layers=[0, 1], draft_length=draft_length, ngram=3, target_acceptance=prior)
+    table = PassCosts.profile(profile, max_width=draft_length + 1, draft_fraction=draft_fraction, num_layers=6)
+    return CostPolicy(plan, RuntimeCosts(table, learn=False))
+
+
+def test_cost_policy_on_a_linear_profile_drafts_nothing():
+    p = policy("linear", draft_fraction=0.01, prior=0.99)
+    p.begin_round(8)
+    assert p.ngram_length(3, 8) == 0
+    assert not p.draft_next(0, None)
+
+
+def test_cost_policy_on_a_flat_profile_drafts_and_stops_after_an_unconfident_token():
+    p = policy("flat")
+    p.begin_round(8)
+    assert p.ngram_length(3, 8) == 8
+    assert p.draft_next(0, None)
+    # Teach it that unconfident tokens are rejected and confident ones kept.
+    for _ in range(20):
+        p.acceptance.observe(Draft([1, 2], None, [], confidences=[0.95, 0.95]), accepted=2)
+        p.acceptance.observe(Draft([1, 2], None, [], confidences=[0.95, 0.05]), accepted=1)
+    p.begin_round(8)
+    assert p.draft_next(1, 0.95)  # a confident first token: go on
+    assert not p.draft_next(2, 0.05)  # after an unconfident one: stop
+
+
+def test_cost_policy_cuts_ngram_proposals_by_what_their_match_length_earned():
+    p = CostPolicy(selfspec.DraftPlan(ngram=3, draft_length=8), RuntimeCosts(avx2_table(), learn=False))
+    for _ in range(30):
+        p.acceptance.observe(Draft([5, 6, 7], None, [], source="ngram", match_length=1), accepted=0)
+        p.acceptance.observe(Draft([5, 6, 7], None, [], source="ngram", match_length=3), accepted=3)
+    p.begin_round(8)
+    assert p.ngram_length(1, 8) == 0  # 1-token matches were never right: verifying them costs a step each
+    assert p.ngram_length(3, 8) == 8  # 3-token matches always were: all of it pays, even there
+
+
+def test_acceptance_counts_only_what_the_target_saw():
+    est = AcceptanceEstimates(prior=0.5)
+    est.observe(Draft([1, 2, 3, 4], None, [], confidences=[0.9, 0.9, 0.9, 0.9]), accepted=1)
+    assert est.positions[0].accepted == 1 and est.positions[0].rejected == 0
+    assert est.positions[1].rejected == 1  # token 2 was rejected
+    assert est.positions[2].seen == 0 and est.positions[3].seen == 0  # tokens 3, 4 were never judged
+    est.decay(0.5)
+    assert est.positions[0].accepted == 0.5
+
+
+def test_runtime_costs_follow_what_rounds_measure():
+    table = PassCosts((1.0, 1.0, 1.2), 0.2, 6)
+    costs = RuntimeCosts(table)
+    for _ in range(40):
+        costs.observe_verify(2, 0, 2.0)  # this width runs twice as slow as the table says
+        costs.observe_draft(2, 0.8)  # 0.4 s per drafted token
+    assert costs.verify(2) == pytest.approx(2.0, rel=0.01)
+    assert costs.verify(3) == pytest.approx(2.4, rel=0.01)  # an unseen width follows the overall ratio
+    assert costs.draft() == pytest.approx(0.4, rel=0.01)
+    frozen = RuntimeCosts(table, learn=False)
+    frozen.observe_verify(2, 0, 2.0)
+    assert frozen.verify(2) == 1.0
+
+
+def test_cost_table_rejects_nonsense_and_round_trips():
+    with pytest.raises(ValueError, match="positive"):
+        PassCosts((1.0, 0.0), 0.1, 4)
+    with pytest.raises(ValueError, match="unknown cost profile 'steep'"):
+        PassCosts.profile("steep")
+    table = PassCosts((0.01, 0.012), 0.003, 4, machine="m")
+    assert PassCosts.from_dict(table.to_dict()) == table
+    with pytest.raises(ValueError, match="costs must be None"):
+        selfspec.wrap(tiny_model("llama", torch.float32), costs=3)
+
+
+def test_measured_costs_have_the_plan_shape_and_are_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_COSTS_CACHE", str(tmp_path))
+    model = tiny_model("llama", torch.float32)
+    plan = selfspec.DraftPlan(layers=[0, 1, 4], draft_length=5)
+    costs = selfspec.wrap(model, plan=plan).costs
+    assert costs.max_width == 6 and costs.draft_step > 0 and costs.source == "measured"
+    assert all(b >= a for a, b in zip(costs.verify, costs.verify[1:]))  # never decreasing in the width
+    assert "threads" in costs.machine and len(list(tmp_path.glob("*.json"))) == 1
+    again = selfspec.wrap(model, plan=plan).costs
+    assert again.source == "cached" and again.verify == costs.verify
+    spec = selfspec.wrap(model, plan=plan)
+    spec.generate(random_prompt(6), max_new_tokens=6)
+    assert "plain step" in spec.last_stats.costs and "cost" in spec.last_stats.policy
+    assert "costs: plain step" in str(spec.last_stats)
+
+
+def test_linear_profile_runs_the_plain_path_and_no_slower(monkeypatch):
+    """A machine where verifying q tokens costs q steps: every round is a plain step, and it costs what one does."""
+    model = tiny_model("llama", torch.float32)
+    prompt = random_prompt(10, seed=3)
+    plain = selfspec.wrap(model, plan=selfspec.DraftPlan.plain())
+    spec = selfspec.wrap(model, plan=selfspec.DraftPlan(ngram=3, layers=[0, 1, 2], draft_length=8), costs="linear")
+    reference = plain.generate(prompt, max_new_tokens=60)
+    assert torch.equal(spec.generate(prompt, max_new_tokens=60), reference)
+    stats = spec.last_stats
+    assert stats.drafted == 0 and stats.rounds_without_draft == stats.rounds == 59
+    times = {"plain": [], "linear": []}
+    for _ in range(5):  # interleaved; medians
+        for name, wrapped in (("plain", plain), ("linear", spec)):
+            began = time.perf_counter()
+            wrapped.generate(prompt, max_new_tokens=60)
+            times[name].append(time.perf_counter() - began)
+    ratio = statistics.median(times["linear"]) / statistics.median(times["plain"])
+    assert ratio < 1.5, f"the cost policy's bookkeeping made plain steps {ratio:.2f}x slower"
+
+
+def test_flat_profile_drafts_and_stays_lossless():
+    model = tiny_model("qwen2", torch.float64)
+    prompt = random_prompt(10, seed=5)
+    reference = model.generate(prompt, do_sample=False, max_new_tokens=40)
+    spec = selfspec.wrap(model, plan=selfspec.DraftPlan(ngram=2, exit_layer=5, draft_length=6), costs="flat")
+    assert torch.equal(spec.generate(prompt, max_new_tokens=40), reference)
+    assert spec.last_stats.drafted > 0
