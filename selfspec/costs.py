@@ -150,29 +150,16 @@ def measure_pass_costs(
     `draft_step(runner, position)` runs one drafted token at `position` (it may
     write cache entries; they are cropped after). Widths between the measured
     ones are interpolated linearly. Each timing is the minimum of `repeats`
-    runs after one warm-up run: on a shared machine the minimum is the
-    cost, the rest is other load. The rounds refine it later.
+    runs after one warm-up round, all tasks interleaved: on a shared machine
+    the minimum is the cost, the rest is other load. The rounds refine it later.
     """
     began = time.perf_counter()
     context = MEASURE_CONTEXT
     runner = runner_for(context + max_width + 1)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab_size, (context + max_width,), generator=generator).tolist()
-    every_layer = range(len(runner.layers))
-    runner.run(runner.embed(ids[:context], 0), every_layer, 0)
+    runner.run(runner.embed(ids[:context], 0), range(len(runner.layers)), 0)
     device = runner.positions.device
-
-    def timed(fn: Callable[[], None]) -> float:
-        best = float("inf")
-        for i in range(repeats + 1):
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            if i:  # the first run warms up
-                best = min(best, time.perf_counter() - start)
-            runner.cache.crop(context)
-        return best
 
     def full_pass(q: int) -> Callable[[], None]:
         def run() -> None:
@@ -182,9 +169,21 @@ def measure_pass_costs(
         return run
 
     widths = sorted({q for q in (1, 2, 4, 8, 16, 32, 64) if q < max_width} | {max_width})
-    measured = {q: timed(full_pass(q)) for q in widths}
-    verify = _interpolate(measured, max_width)
-    step = timed(lambda: draft_step(runner, context)) if draft_step is not None else 0.0
+    tasks: dict[Any, Callable[[], None]] = {q: full_pass(q) for q in widths}
+    if draft_step is not None:
+        tasks["draft"] = lambda: draft_step(runner, context)
+    best = {name: float("inf") for name in tasks}
+    for i in range(repeats + 1):  # round 0 warms up; the rounds interleave every task, so load hits all alike
+        for name, fn in tasks.items():
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            if i:
+                best[name] = min(best[name], time.perf_counter() - start)
+            runner.cache.crop(context)
+    verify = _interpolate({q: best[q] for q in widths}, max_width)
+    step = best.get("draft", 0.0)
     return PassCosts(
         verify,
         step,

