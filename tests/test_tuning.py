@@ -120,7 +120,7 @@ def test_proxy_of_the_full_depth_plan_agrees_everywhere(model, calibration, cont
 def test_rounds_proxy_equals_real_greedy_acceptance(model, evaluator, layers, k):
     """The default proxy replays the engine's rounds, draft entries and all: exact in float64."""
     proxy = evaluator.simulate(layers, Policy(k))
-    spec = selfspec.wrap(model, plan=DraftPlan(layers=layers, draft_length=k))
+    spec = selfspec.wrap(model, plan=DraftPlan(layers=layers, draft_length=k, policy="fixed"))
     drafted = accepted = rounds = 0
     for seq in evaluator.calibration:
         spec.generate(torch.tensor([seq.tokens[: seq.prompt_length]]), max_new_tokens=seq.max_new_tokens)

@@ -38,7 +38,8 @@ class Candidate:
         return self.layers == tuple(range(len(self.layers)))
 
     def plan(self, *, policy: Policy | None = None, name: str = "") -> DraftPlan:
-        fields = (policy or self.policy).plan_fields()
+        """The plan the proxy scored: its own draft-length rule (`policy="fixed"`), which the replay models."""
+        fields = {**(policy or self.policy).plan_fields(), "policy": "fixed"}
         if self.is_early_exit:
             return DraftPlan(exit_layer=len(self.layers), name=name, **fields)
         return DraftPlan(layers=self.layers, name=name, **fields)
