@@ -11,8 +11,9 @@ does) with what it knows about its own passes (`PassCounts`).
   (`prompt_lookup_num_tokens=n`), which drafts by copying n-grams of the context.
 - `selfspec-plain`: selfspec's own loop with drafting off (`DraftPlan.plain()`).
 - `selfspec-plan`: selfspec with the plan given (`--plan`) or the adapter's plan.
-- `selfspec-adaptive` / `selfspec-fixed`: the same plan with the other
-  draft-length policy (adaptive on if the plan is fixed, off if it is adaptive).
+- `selfspec-fixed`: the same plan with `policy="fixed"`: its own draft-length
+  rule (fixed k, or the adaptive confidence threshold) without the cost model,
+  which is what selfspec did before it measured costs.
 
 Hugging Face does not report passes for assisted generation. For the `hf-*`
 methods we count the full forward passes by a forward hook on the last decoder
@@ -42,7 +43,6 @@ ALL_METHODS = (
     "hf-prompt-lookup",
     "selfspec-plain",
     "selfspec-plan",
-    "selfspec-adaptive",
     "selfspec-fixed",
 )
 
@@ -121,8 +121,8 @@ def hf_method(name: str, description: str, model, *, max_new_tokens: int, **gene
     return Method(name, description, run, settings=dict(generate_options))
 
 
-def selfspec_method(name: str, description: str, model, plan: DraftPlan, *, max_new_tokens: int) -> Method:
-    spec = selfspec.wrap(model, plan=plan)
+def selfspec_method(name: str, description: str, model, plan: DraftPlan, *, max_new_tokens: int, costs=None) -> Method:
+    spec = selfspec.wrap(model, plan=plan, costs=costs)
 
     def run(input_ids: torch.Tensor) -> tuple[torch.Tensor, PassCounts]:
         out = spec.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
@@ -130,11 +130,14 @@ def selfspec_method(name: str, description: str, model, plan: DraftPlan, *, max_
         counts = PassCounts(stats.verify_passes, stats.drafted, stats.accepted, stats.as_dict())
         return out, counts
 
-    return Method(name, description, run, settings={"plan": plan.to_dict(), "describe": spec.describe_plan()})
+    settings = {"plan": plan.to_dict(), "describe": spec.describe_plan()}
+    if plan.drafts and plan.policy == "cost":
+        settings["costs"] = spec.costs.summary()
+    return Method(name, description, run, settings=settings)
 
 
 def build_method(
-    name: str, model, *, max_new_tokens: int, plan: DraftPlan, early_exit: int, prompt_lookup: int
+    name: str, model, *, max_new_tokens: int, plan: DraftPlan, early_exit: int, prompt_lookup: int, costs=None
 ) -> Method:
     """One method by name; raises ValueError for an unknown name."""
     if name == "hf-greedy":
@@ -157,30 +160,19 @@ def build_method(
         )
     if name == "selfspec-plain":
         return selfspec_method(name, "selfspec, no drafting", model, DraftPlan.plain(), max_new_tokens=max_new_tokens)
-    if name in ("selfspec-plan", "selfspec-adaptive", "selfspec-fixed"):
-        variant = {"selfspec-plan": plan, **policy_variants(plan)}.get(name, plan)
+    if name in ("selfspec-plan", "selfspec-fixed"):
+        variant = plan if name == "selfspec-plan" else dataclasses.replace(plan, policy="fixed")
         return selfspec_method(
-            name, f"selfspec, plan {variant.name or '(unnamed)'}", model, variant, max_new_tokens=max_new_tokens
+            name, f"selfspec, plan {variant.name or '(unnamed)'}, policy {variant.policy}", model, variant,
+            max_new_tokens=max_new_tokens, costs=costs,
         )
     raise ValueError(f"unknown method {name!r}; valid: {', '.join(ALL_METHODS)}")
 
 
-def policy_variants(plan: DraftPlan) -> dict[str, DraftPlan]:
-    """The plan with the other draft-length policy, under the method name that says which.
-
-    A variant equal to the plan itself is left out (it would be `selfspec-plan` run twice).
-    """
-    variants = {
-        "selfspec-adaptive": dataclasses.replace(plan, adaptive=True, name=f"{plan.name}-adaptive"),
-        "selfspec-fixed": dataclasses.replace(plan, adaptive=False, name=f"{plan.name}-fixed"),
-    }
-    return {name: v for name, v in variants.items() if v.adaptive != plan.adaptive}
-
-
 def default_methods(plan: DraftPlan | None) -> list[str]:
-    """Every method that makes sense for this plan; of adaptive/fixed, the one the plan is not."""
-    variants = list(policy_variants(plan)) if plan is not None else []
-    return [m for m in ALL_METHODS if m not in ("selfspec-adaptive", "selfspec-fixed")] + variants
+    """Every method that makes sense for this plan (`selfspec-fixed` only where the plan chooses k by cost)."""
+    with_fixed = plan is not None and plan.drafts and plan.policy == "cost"
+    return [m for m in ALL_METHODS if m != "selfspec-fixed" or with_fixed]
 
 
 def early_exit_candidates(layers: int) -> list[int]:

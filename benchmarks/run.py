@@ -25,6 +25,7 @@ import torch
 import transformers
 
 import selfspec
+from selfspec.costs import cpu_model
 from benchmarks import report
 from benchmarks.measure import Row, measure
 from benchmarks.methods import (
@@ -66,6 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run selfspec with this plan as method 'plan:NAME' (repeatable; for ablations)")
     p.add_argument("--early-exit-sweep", help="comma list of E for hf-early-exit (default: ~L/5, L/3, L/2)")
     p.add_argument("--sweep-prompts", type=int, default=3, help="prompts the early-exit sweep times (default 3)")
+    p.add_argument("--costs", choices=["linear", "flat"],
+                   help="decide selfspec's draft lengths with this cost profile instead of the measured costs "
+                        "(linear: q tokens cost q steps, as AVX2 bfloat16; flat: up to 16 cost one step, as a GPU); "
+                        "the times are still this machine's")
     p.add_argument("--prompt-lookup", type=int, default=10, help="prompt_lookup_num_tokens (default 10)")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help=f"Spec-Bench questions (default {DEFAULT_DATA})")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "results", help="results folder (default results/)")
@@ -104,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"hf-early-exit: E={header['early exit E']}" + ("" if sweep["swept"] else " (no sweep)"), flush=True)
 
     methods, failed = build_methods(names, model, args, plan, exit_layer, workload.prompts, device)
+    costs = next((m.settings["costs"] for m in methods if "costs" in m.settings), None)
+    header["pass costs"] = (f"profile {args.costs!r} injected; " if args.costs else "") + (costs or "-")
+    print(f"pass costs: {header['pass costs']}", flush=True)
     rows = run_interleaved(methods, workload.prompts, device)
     memory = memory_pass(methods, workload.prompts, device)
 
@@ -186,7 +194,7 @@ def build_methods(names, model, args, plan, exit_layer, prompts, device) -> tupl
     """Build and warm up every method (one short generation each); a method that fails is left out."""
     methods, failed = [], {}
     warm_prompt = min(prompts, key=lambda p: p.length)
-    options = dict(model=model, plan=plan, early_exit=exit_layer, prompt_lookup=args.prompt_lookup)
+    options = dict(model=model, plan=plan, early_exit=exit_layer, prompt_lookup=args.prompt_lookup, costs=args.costs)
     plan_files = extra_plans(args)
     for name in names:
         if plan is None and name.startswith("selfspec-"):
@@ -252,6 +260,7 @@ def make_header(args, model, workload, plan, plan_note, chat) -> dict:
         "command": shlex.join([sys.executable, *sys.argv]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.platform()}; {cpu_model()}; {os.cpu_count()} CPUs",
+        "cpu capability": torch.backends.cpu.get_cpu_capability(),
         "device": str(torch.cuda.get_device_name()) if args.device.startswith("cuda") else "cpu",
         "load average at start": load_average(),
         "python": platform.python_version(),
@@ -276,16 +285,6 @@ def print_header(header: dict) -> None:
     for key, value in header.items():
         print(f"{key:>{width}}: {value}")
     print(flush=True)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def busy_warning(device: torch.device) -> str | None:
