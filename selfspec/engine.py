@@ -101,7 +101,7 @@ class SelfSpecModel:
             return self.injected_costs
         key = (torch.get_num_threads(), str(self.parts.device))
         if key not in self.measured_costs:
-            self.measured_costs[key] = self._measure_costs()
+            self.measured_costs[key] = self.measure_costs()
         return self.measured_costs[key]
 
     def _injected(self, costs: PassCosts | str | None) -> PassCosts | None:
@@ -112,7 +112,8 @@ class SelfSpecModel:
                                      draft_fraction=len(self.drafter.draft_layers) / self.parts.num_layers)
         raise ValueError(f"costs must be None, a PassCosts table or a profile name ('linear', 'flat'), got {costs!r}")
 
-    def _measure_costs(self) -> PassCosts:
+    def measure_costs(self, *, cached: bool = True, repeats: int = 2) -> PassCosts:
+        """Time the passes this plan uses here (see `costs.py`); `cached=False` measures afresh."""
         device = self.parts.device
         identity = dict(
             model=model_identity(self.model, self.parts),
@@ -135,8 +136,11 @@ class SelfSpecModel:
                 num_layers=self.parts.num_layers,
                 vocab_size=self.parts.vocab_size,
                 max_width=self.max_width,
+                repeats=repeats,
             )
 
+        if not cached:
+            return measure()
         return load_or_measure(costs_cache_dir(), cache_key(**identity), measure)
 
     def _policy(self, settings: GenerationSettings) -> CostPolicy | AdaptivePolicy:

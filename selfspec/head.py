@@ -3,7 +3,7 @@
 The draft of an early-exit plan runs layers 0..E-1, then the head, then the
 model's own final norm and LM head (shared and frozen). The head is a copy of
 one of the model's decoder layers (by default the last one), trained by
-`head_training.py` to match the target's next-token distribution.
+`training/distill.py` to match the target's next-token distribution.
 
 Its attention has a cache like any layer's: the head is layer N (N = the
 model's layer count) of the one shared cache, so its KV entries live beside

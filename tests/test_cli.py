@@ -243,3 +243,19 @@ def test_tune_command_on_a_tiny_model(tiny_folder, tmp_path, capsys):
                  "--out", str(out)]) == 0
     assert selfspec.DraftPlan.load(out).name == f"{tiny_folder.name}-float32-tuned"
     assert "selfspec tune" in capsys.readouterr().out and out.with_suffix(".tune.json").is_file()
+
+
+def test_costs_command_on_a_tiny_model(tiny_folder, tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    selfspec.DraftPlan(layers=[0], draft_length=3, ngram=2).save(plan)
+    assert main(["costs", str(tiny_folder), "--plan", str(plan), "--dtype", "float32,bfloat16", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "verify pass over q tokens, in plain steps: 1:1.00 2:" in out and " 4:" in out  # widths 1..k+1
+    assert "an n-gram copy pays when more than" in out and "draft step:" in out
+    assert "fastest plain step here:" in out
+
+
+def test_costs_command_refuses_a_bad_dtype_before_loading(no_model_load, capsys):
+    assert main(["costs", "--dtype", "float32,int8"]) == 2
+    err = capsys.readouterr().err
+    assert "'float32,int8'" in err and "float32, bfloat16, float16" in err and len(err.strip().splitlines()) == 1

@@ -5,6 +5,7 @@
     selfspec tune smollm2-135m-instruct --out my_plan.json     # search a fast plan
     selfspec train-head smollm2-135m-instruct --exit-layer 8 --out heads/e8   # train an exit head
     selfspec count-vocab smollm2-135m-instruct --out heads/vocab              # count a draft vocabulary
+    selfspec costs smollm2-135m-instruct                       # what a pass costs here, float32 and bfloat16
 
 Each command is a module of this package with `HELP` (one line),
 `add_arguments(parser)` and `run(args) -> exit status`; adding a command is a
@@ -27,6 +28,7 @@ COMMANDS = {  # command -> its module in selfspec.cli
     "tune": "tune",
     "train-head": "train_head",
     "count-vocab": "count_vocab",
+    "costs": "costs",
 }
 # What a command may raise for bad input or a bad environment: reported in one line. Anything else is a bug,
 # and its traceback is the bug report.
