@@ -15,6 +15,8 @@ CPU in bfloat16 it costs almost 4. So nothing here is assumed:
 - `RuntimeCosts` is what a generation uses: the table, scaled by what the
   rounds actually measure (every round times its draft and its verify pass),
   so a busy machine, a long context or a cold start is learned, not ignored.
+  After a greedy generation the refined table replaces the cached one, so a
+  table first measured on a busy machine does not outlive the load.
 
 This module times passes; it does not know acceptance or decide draft lengths
 (`policy.py` does).
@@ -234,15 +236,22 @@ def load_or_measure(folder: Path | None, key: str, measure: Callable[[], PassCos
         except (ValueError, KeyError, TypeError, json.JSONDecodeError):
             pass  # a damaged or older file: measure again and overwrite it
     costs = measure()
-    if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(costs.to_dict(), indent=1) + "\n")
-            tmp.replace(path)
-        except OSError:
-            pass  # a read-only cache folder only costs a measurement next time
+    save_costs(folder, key, costs)
     return costs
+
+
+def save_costs(folder: Path | None, key: str, costs: PassCosts) -> None:
+    """Write `folder/key.json` in one rename; a read-only folder only costs a measurement next time."""
+    if folder is None:
+        return
+    path = folder / f"{key}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(costs.to_dict(), indent=1) + "\n")
+        tmp.replace(path)
+    except OSError:
+        pass
 
 
 class RuntimeCosts:
@@ -270,6 +279,14 @@ class RuntimeCosts:
 
     def draft(self) -> float:
         return self.table.draft_step * self.draft_ratio
+
+    def refined(self) -> PassCosts:
+        """The table as the rounds measured it: what the next process should start from."""
+        verify, floor = [], 0.0
+        for q in range(1, self.table.max_width + 1):
+            floor = max(floor, self.verify(q))
+            verify.append(floor)
+        return dataclasses.replace(self.table, verify=tuple(verify), draft_step=self.draft(), source="refined")
 
     def observe_verify(self, width: int, exact_prefix: int, seconds: float) -> None:
         if not self.learn or seconds <= 0:

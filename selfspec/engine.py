@@ -22,7 +22,16 @@ import torch
 from .acceptance import accept_greedy, accept_sampling
 from .adapter import Adapter
 from .artifacts import model_identity
-from .costs import PassCosts, RuntimeCosts, cache_key, costs_cache_dir, load_or_measure, machine_description, measure_pass_costs
+from .costs import (
+    PassCosts,
+    RuntimeCosts,
+    cache_key,
+    costs_cache_dir,
+    load_or_measure,
+    machine_description,
+    measure_pass_costs,
+    save_costs,
+)
 from .draft import Drafter
 from .head import ExitHead, load_head
 from .hf_generation import GenerationSettings, resolve_settings
@@ -84,8 +93,7 @@ class SelfSpecModel:
         self.passes = TargetPasses(self.parts.num_layers, exact_prefix=self.drafter.exact_prefix, head=self.head)
         self.max_width = plan.draft_length + 1  # the widest verify pass
         self.injected_costs = self._injected(costs)
-        self.measured_costs: dict[tuple, PassCosts] = {}  # by (threads, device)
-        self.learned_costs: dict[tuple, RuntimeCosts] = {}  # the same tables, refined by the rounds
+        self.measured_costs: dict[tuple, RuntimeCosts] = {}  # by (threads, device): a table, refined by the rounds
         self.last_stats: GenerationStats | None = None
 
     def __repr__(self) -> str:
@@ -99,9 +107,12 @@ class SelfSpecModel:
         """What a pass costs here: the table the rounds start from (measured on first use, cached on disk)."""
         if self.injected_costs is not None:
             return self.injected_costs
+        return self._runtime_costs().table
+
+    def _runtime_costs(self) -> RuntimeCosts:
         key = (torch.get_num_threads(), str(self.parts.device))
         if key not in self.measured_costs:
-            self.measured_costs[key] = self.measure_costs()
+            self.measured_costs[key] = RuntimeCosts(self.measure_costs())
         return self.measured_costs[key]
 
     def _injected(self, costs: PassCosts | str | None) -> PassCosts | None:
@@ -114,16 +125,6 @@ class SelfSpecModel:
 
     def measure_costs(self, *, cached: bool = True, repeats: int = 2) -> PassCosts:
         """Time the passes this plan uses here (see `costs.py`); `cached=False` measures afresh."""
-        device = self.parts.device
-        identity = dict(
-            model=model_identity(self.model, self.parts),
-            draft=self.describe_plan(),
-            dtype=str(self.parts.dtype),
-            device=str(device),
-            threads=torch.get_num_threads(),
-            machine=machine_description(device),
-            max_width=self.max_width,
-        )
 
         def draft_step(runner: LayerRunner, position: int) -> None:
             logits = self.drafter.step(runner, 0, position)  # [1, vocab]
@@ -141,19 +142,30 @@ class SelfSpecModel:
 
         if not cached:
             return measure()
-        return load_or_measure(costs_cache_dir(), cache_key(**identity), measure)
+        return load_or_measure(costs_cache_dir(), self._costs_key(), measure)
+
+    def _costs_key(self) -> str:
+        """The disk cache's key: the model, the plan's draft, dtype, device, threads and processor."""
+        device = self.parts.device
+        return cache_key(
+            model=model_identity(self.model, self.parts),
+            draft=self.describe_plan(),
+            dtype=str(self.parts.dtype),
+            device=str(device),
+            threads=torch.get_num_threads(),
+            machine=machine_description(device),
+            max_width=self.max_width,
+        )
 
     def _policy(self, settings: GenerationSettings) -> CostPolicy | AdaptivePolicy:
         if self.plan.policy == "fixed" or not self.plan.drafts:
             return AdaptivePolicy(self.plan)
-        table = self.costs
         # A seed must reproduce a sample: when sampling, decide from the table and the tokens alone, never from
         # timing noise (greedy output is the same whatever is drafted, so greedy runs learn from every round).
-        learn = self.injected_costs is None and not settings.do_sample
-        if learn:
-            runtime = self.learned_costs.setdefault((table.machine, table.step), RuntimeCosts(table))
+        if self.injected_costs is None and not settings.do_sample:
+            runtime = self._runtime_costs()
         else:
-            runtime = RuntimeCosts(table, learn=False)
+            runtime = RuntimeCosts(self.costs, learn=False)
         return CostPolicy(self.plan, runtime, exact_prefix=self.drafter.exact_prefix)
 
     @torch.no_grad()
@@ -251,6 +263,8 @@ class SelfSpecModel:
 
         stats.new_tokens = len(out.tokens) - len(prompt)
         stats.total_seconds = clock.total()
+        if isinstance(policy, CostPolicy) and policy.costs.learn:  # the next process starts from what was learned
+            save_costs(costs_cache_dir(), self._costs_key(), policy.costs.refined())
         stats.policy = policy.describe()
         stats.final_threshold = policy.threshold if isinstance(policy, AdaptivePolicy) else None
         if isinstance(policy, CostPolicy):

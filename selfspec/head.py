@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import os
 
-import torch
 from torch import nn
 
 from .parts import ModelParts

@@ -166,6 +166,10 @@ def test_measured_costs_have_the_plan_shape_and_are_cached(tmp_path, monkeypatch
     spec.generate(random_prompt(6), max_new_tokens=6)
     assert "plain step" in spec.last_stats.costs and "cost" in spec.last_stats.policy
     assert "costs: plain step" in str(spec.last_stats)
+    # What the rounds measured replaces the cached table, for the next process to start from.
+    assert selfspec.wrap(model, plan=plan).costs.source == "cached"
+    (path,) = tmp_path.glob("*.json")
+    assert '"source": "refined"' in path.read_text()
 
 
 def test_linear_profile_runs_the_plain_path_and_no_slower(monkeypatch):

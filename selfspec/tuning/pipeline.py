@@ -43,7 +43,7 @@ from .confirm import Confirmation, confirm_plans
 from .cost import CostModel, measure_cost_model
 from .layer_search import OPTIMIZERS, OPTUNA_SAMPLERS, search
 from .proxy import ProxyEvaluator
-from .proxy_check import ProxyCheck, check_proxy
+from .proxy_check import check_proxy
 from .replay import Policy
 from .report import TuneResult, pareto_front
 
