@@ -259,3 +259,16 @@ def test_costs_command_refuses_a_bad_dtype_before_loading(no_model_load, capsys)
     assert main(["costs", "--dtype", "float32,int8"]) == 2
     err = capsys.readouterr().err
     assert "'float32,int8'" in err and "float32, bfloat16, float16" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["costs"], ["count-vocab", "m", "--out", "x"]])
+def test_verify_flag_reaches_load(monkeypatch, command, capsys):
+    seen = {}
+
+    def fake_load(name, **options):
+        seen.update(options)
+        raise ValueError("stopped after load was called")
+
+    monkeypatch.setattr(selfspec, "load", fake_load)
+    assert main([*command, "--verify"]) == 2
+    assert seen.get("verify") is True and "stopped after load" in capsys.readouterr().err

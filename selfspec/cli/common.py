@@ -112,12 +112,14 @@ def device(value: str) -> str:
 
 
 def add_runtime_arguments(parser: argparse.ArgumentParser, *, dtype: str | None = "float32") -> None:
-    """--device, --threads and (unless `dtype` is None) --dtype."""
+    """--device, --threads, --verify and (unless `dtype` is None) --dtype."""
     if dtype is not None:
         parser.add_argument("--dtype", default=dtype, choices=DTYPES, help=f"the model's dtype (default: {dtype})")
     parser.add_argument("--device", default="cpu", type=device, help="torch device (default: cpu)")
     parser.add_argument("--threads", type=integer(1), default=None,
                         help="torch CPU threads (default: torch's choice; on a busy shared machine 1 is often fastest)")
+    parser.add_argument("--verify", action="store_true",
+                        help="check the converted model cache with a full hash before loading it (rebuilt if damaged)")
 
 
 def set_threads(threads: int | None) -> None:
@@ -188,7 +190,7 @@ def load_float32(args: argparse.Namespace):
     from ..registry import model_parts
 
     set_threads(args.threads)
-    model, tokenizer = selfspec.load(args.model, dtype="float32", device=args.device)
+    model, tokenizer = selfspec.load(args.model, dtype="float32", device=args.device, verify=args.verify)
     return model, tokenizer, model_parts(model)
 
 

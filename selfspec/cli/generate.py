@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     common.set_threads(args.threads)
     print(f"selfspec: loading {args.model} ({args.dtype}, {args.device})...", file=sys.stderr, flush=True)
     began = time.perf_counter()
-    model, tokenizer = selfspec.load(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = selfspec.load(args.model, dtype=args.dtype, device=args.device, verify=args.verify)
     spec = selfspec.wrap(model, plan=plan)
     print(f"selfspec: loaded in {time.perf_counter() - began:.1f} s; plan: {spec.describe_plan()}", file=sys.stderr,
           flush=True)

@@ -94,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     common.set_threads(args.threads)
     progress = not args.quiet
     began = time.perf_counter()
-    model, tokenizer = selfspec.load(args.model, dtype=args.dtype, device=args.device, progress=progress)
+    model, tokenizer = selfspec.load(args.model, dtype=args.dtype, device=args.device, progress=progress,
+                                     verify=args.verify)
 
     wanted = args.prompts + args.heldout
     if len(texts) < wanted:
