@@ -29,7 +29,9 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -257,25 +259,30 @@ def save_costs(folder: Path | None, key: str, costs: PassCosts) -> None:
 class RuntimeCosts:
     """A cost table as one generation uses it: scaled by what its rounds measure.
 
-    Each observed verify pass updates a ratio (observed / table) for its
-    width, and each layer draft a ratio for the draft step, as moving
-    averages; a width not seen yet uses the average ratio of all widths. With
-    `learn=False` the table is used as it is (injected profiles; seeded
+    Each observed verify pass gives a ratio (observed / table) for its width,
+    each layer draft one for the draft step. The ratio used is the median of
+    the last `WINDOW` observations (of that width; a width seen fewer than 3
+    times uses the median over all widths): a median follows a machine that
+    became slower or faster, and ignores a burst of other load that hit a few
+    rounds. With `learn=False` the table is used as it is (injected profiles;
     sampling, whose draws must not depend on timing noise).
     """
 
-    SMOOTHING = 0.8  # weight of the past
+    WINDOW = 9  # recent observations per width
+    MIN_SEEN = 3  # observations of a width before its own median is used
 
     def __init__(self, table: PassCosts, *, learn: bool = True) -> None:
         self.table = table
         self.learn = learn
-        self.verify_ratio: dict[int, float] = {}
+        self.seen: dict[int, deque[float]] = {}  # width -> recent ratios
+        self.seen_all: deque[float] = deque(maxlen=3 * self.WINDOW)
+        self.seen_draft: deque[float] = deque(maxlen=self.WINDOW)
+        self.ratios: dict[int, float] = {}  # width -> the ratio in use (kept up to date by `observe_verify`)
         self.overall_ratio = 1.0
         self.draft_ratio = 1.0
 
     def verify(self, width: int, exact_prefix: int = 0) -> float:
-        ratio = self.verify_ratio.get(width, self.overall_ratio)
-        return self.table.verify_seconds(width, exact_prefix) * ratio
+        return self.table.verify_seconds(width, exact_prefix) * self.ratios.get(width, self.overall_ratio)
 
     def draft(self) -> float:
         return self.table.draft_step * self.draft_ratio
@@ -292,13 +299,18 @@ class RuntimeCosts:
         if not self.learn or seconds <= 0:
             return
         ratio = seconds / self.table.verify_seconds(width, exact_prefix)
-        self.verify_ratio[width] = moving_average(self.verify_ratio.get(width, self.overall_ratio), ratio, self.SMOOTHING)
-        self.overall_ratio = moving_average(self.overall_ratio, ratio, self.SMOOTHING)
+        seen = self.seen.setdefault(width, deque(maxlen=self.WINDOW))
+        seen.append(ratio)
+        self.seen_all.append(ratio)
+        self.overall_ratio = statistics.median(self.seen_all)
+        if len(seen) >= self.MIN_SEEN:
+            self.ratios[width] = statistics.median(seen)
 
     def observe_draft(self, steps: int, seconds: float) -> None:
         if not self.learn or steps <= 0 or seconds <= 0 or not self.table.draft_step:
             return
-        self.draft_ratio = moving_average(self.draft_ratio, seconds / steps / self.table.draft_step, self.SMOOTHING)
+        self.seen_draft.append(seconds / steps / self.table.draft_step)
+        self.draft_ratio = statistics.median(self.seen_draft)
 
 
 def moving_average(average: float, value: float, weight: float) -> float:

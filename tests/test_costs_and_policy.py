@@ -136,6 +136,9 @@ def test_runtime_costs_follow_what_rounds_measure():
     assert costs.verify(2) == pytest.approx(2.0, rel=0.01)
     assert costs.verify(3) == pytest.approx(2.4, rel=0.01)  # an unseen width follows the overall ratio
     assert costs.draft() == pytest.approx(0.4, rel=0.01)
+    for _ in range(3):
+        costs.observe_verify(2, 0, 20.0)  # a burst of other load hits three rounds
+    assert costs.verify(2) == pytest.approx(2.0, rel=0.01)  # the median ignores it
     frozen = RuntimeCosts(table, learn=False)
     frozen.observe_verify(2, 0, 2.0)
     assert frozen.verify(2) == 1.0
