@@ -10,7 +10,8 @@ The times come from the measured cost table (`costs.RuntimeCosts`). Expected
 tokens come from acceptance learned online (`AcceptanceEstimates`), per
 source: for layer drafts by the token's position in the round and the
 draft's confidence in it (its top probability); for n-gram proposals by the
-length of the match that found them. A layer draft is decided one token at a
+length of the match that found them and the token's position in the
+proposal (a copy that starts right tends to go on right). A layer draft is decided one token at a
 time: after each drafted token its confidence is known, and drafting goes on
 only while some longer draft still beats stopping now. An n-gram proposal is
 cut to its best length, and when that is 0 the layers get their turn. Every
@@ -110,6 +111,7 @@ class AcceptanceEstimates:
         default_factory=lambda: [[Rate() for _ in range(CONFIDENCE_BINS)] for _ in range(POSITION_BUCKETS)]
     )
     ngram: dict[int, Rate] = field(default_factory=dict)  # by match length
+    ngram_cells: dict[tuple[int, int], Rate] = field(default_factory=dict)  # by (match length, position bucket)
 
     def layer_position(self, position: int) -> float:
         """Acceptance of the token at draft `position` (1-based), given those before were accepted."""
@@ -120,8 +122,15 @@ class AcceptanceEstimates:
         cell = self.cells[_bucket(position)][_bin(confidence)]
         return cell.estimate(self.layer_position(position), SHRINK)
 
-    def ngram_token(self, match_length: int) -> float:
-        return self.ngram.setdefault(match_length, Rate()).estimate(self.prior, PRIOR_WEIGHT)
+    def ngram_token(self, match_length: int, position: int = 1) -> float:
+        """Acceptance of the copied token at `position` (1-based) of a proposal, given those before were accepted.
+
+        A copy that starts right tends to go on right, so the first token and
+        the later ones are counted apart.
+        """
+        marginal = self.ngram.setdefault(match_length, Rate()).estimate(self.prior, PRIOR_WEIGHT)
+        cell = self.ngram_cells.setdefault((match_length, _bucket(position)), Rate())
+        return cell.estimate(marginal, SHRINK)
 
     def observe(self, draft: Draft, accepted: int) -> None:
         """Tokens 1..accepted were accepted, token accepted+1 (if drafted) rejected; later ones unseen."""
@@ -130,12 +139,14 @@ class AcceptanceEstimates:
             ok = i < accepted
             if draft.source == "ngram":
                 self.ngram.setdefault(draft.match_length, Rate()).add(ok)
+                self.ngram_cells.setdefault((draft.match_length, _bucket(i + 1)), Rate()).add(ok)
             else:
                 self.positions[_bucket(i + 1)].add(ok)
                 self.cells[_bucket(i + 1)][_bin(draft.confidences[i])].add(ok)
 
     def decay(self, factor: float = DECAY) -> None:
-        for rate in [*self.positions, *(c for row in self.cells for c in row), *self.ngram.values()]:
+        cells = [c for row in self.cells for c in row]
+        for rate in [*self.positions, *cells, *self.ngram.values(), *self.ngram_cells.values()]:
             rate.decay(factor)
 
     def summary(self) -> str:
@@ -175,9 +186,9 @@ class CostPolicy:
 
     def ngram_length(self, match_length: int, available: int) -> int:
         """How much of an n-gram proposal of `available` tokens to verify (0: none of it)."""
-        rate = self.acceptance.ngram_token(match_length)
+        future = [self.acceptance.ngram_token(match_length, j + 1) for j in range(available)]
         return choose_length(
-            accepted_so_far=1.0, expected_so_far=1.0, drafted=0, future=[rate] * available, spent=0.0,
+            accepted_so_far=1.0, expected_so_far=1.0, drafted=0, future=future, spent=0.0,
             draft_seconds=0.0, verify_seconds=lambda q: self.costs.verify(q),
         )
 

@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import pytest
@@ -186,13 +185,13 @@ def test_linear_profile_runs_the_plain_path_and_no_slower(monkeypatch):
     stats = spec.last_stats
     assert stats.drafted == 0 and stats.rounds_without_draft == stats.rounds == 59
     times = {"plain": [], "linear": []}
-    for _ in range(5):  # interleaved; medians
+    for _ in range(7):  # interleaved; the fastest of each (other load only ever adds time)
         for name, wrapped in (("plain", plain), ("linear", spec)):
             began = time.perf_counter()
             wrapped.generate(prompt, max_new_tokens=60)
             times[name].append(time.perf_counter() - began)
-    ratio = statistics.median(times["linear"]) / statistics.median(times["plain"])
-    assert ratio < 1.5, f"the cost policy's bookkeeping made plain steps {ratio:.2f}x slower"
+    ratio = min(times["linear"]) / min(times["plain"])
+    assert ratio < 1.3, f"the cost policy's bookkeeping made plain steps {ratio:.2f}x slower"
 
 
 def test_flat_profile_drafts_and_stays_lossless():
@@ -202,3 +201,22 @@ def test_flat_profile_drafts_and_stays_lossless():
     spec = selfspec.wrap(model, plan=selfspec.DraftPlan(ngram=2, exit_layer=5, draft_length=6), costs="flat")
     assert torch.equal(spec.generate(prompt, max_new_tokens=40), reference)
     assert spec.last_stats.drafted > 0
+
+
+def test_ngram_acceptance_is_counted_by_position_in_the_proposal():
+    """A copy that starts right goes on right: the first copied token and the later ones are counted apart."""
+    est = AcceptanceEstimates(prior=0.5)
+    for i in range(50):
+        accepted = 4 if i % 10 < 3 else 0  # 30% of copies are right from the start, and then all the way
+        est.observe(Draft([1, 2, 3, 4], None, [], source="ngram", match_length=2), accepted=accepted)
+    assert est.ngram_token(2, 1) == pytest.approx(0.3, abs=0.05)
+    assert est.ngram_token(2, 2) > 0.9 and est.ngram_token(2, 4) > 0.85
+    # Where 9 tokens cost 1.9 steps (float32 on an AVX-512 CPU), such copies are worth verifying long...
+    fp32 = PassCosts((1.0, 1.10, 1.30, 1.50, 1.59, 1.69, 1.78, 1.88, 1.90), 0.9, 30)
+    p = CostPolicy(selfspec.DraftPlan(ngram=3, draft_length=8), RuntimeCosts(fp32, learn=False))
+    p.acceptance = est
+    assert p.ngram_length(2, 8) >= 6
+    # ... and on the AVX2 table not at all: a third of first tokens right does not pay for the wide pass there.
+    p = CostPolicy(selfspec.DraftPlan(ngram=3, draft_length=8), RuntimeCosts(avx2_table(), learn=False))
+    p.acceptance = est
+    assert p.ngram_length(2, 8) == 0
