@@ -109,13 +109,19 @@ def check_head_header(header: dict, layer: nn.Module) -> None:
 
 def load_head(path: str | os.PathLike, *, model, parts: ModelParts) -> ExitHead:
     """A saved head, in the model's dtype and on its device; refused if made for another model."""
+    built: list[ExitHead] = []
+
+    def check_tensors(manifest: dict, header: dict) -> None:
+        # The head is built first (a float layer even beside a quantized target), then its file checked against it.
+        built.append(ExitHead.from_model(parts, exit_layer=manifest["exit_layer"], source_layer=manifest["source_layer"]))
+        check_head_header(header, built[0].layer)
+
     artifact = load_artifact(
         path, kind=KIND, model_id=model_identity(model, parts),
         check_manifest=lambda manifest: check_head_manifest(manifest, parts.num_layers),
-        check_tensors=lambda manifest, header: check_head_header(header, parts.layers[manifest["source_layer"]]),
+        check_tensors=check_tensors,
     )
-    manifest = artifact.manifest
-    head = ExitHead.from_model(parts, exit_layer=manifest["exit_layer"], source_layer=manifest["source_layer"])
+    head = built[0]
     missing, unexpected = head.layer.load_state_dict(artifact.tensors, strict=False)
     if missing or unexpected:
         raise ValueError(f"{artifact.path}: head weights do not fit this model's layer "
