@@ -211,8 +211,12 @@ def int4_fits(module: nn.Module, group_size: int) -> bool:
 
 def int4_config(group_size: int, *, dtype: torch.dtype, device: torch.device):
     if device.type == "cpu":
-        from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
-
+        try:
+            from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+        except ImportError:
+            version = getattr(importlib.import_module("torchao"), "__version__", "?")
+            raise ImportError(f"quantize='int4' on CPU needs torchao >= 0.18 (its CPU int4 layout, "
+                              f"PrototypeInt4WeightOnlyConfig); found torchao {version}: pip install -U torchao") from None
         return PrototypeInt4WeightOnlyConfig(group_size=group_size, set_inductor_config=False)
     from torchao.quantization import Int4WeightOnlyConfig
 
