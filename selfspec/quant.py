@@ -187,8 +187,8 @@ def quantize_model(model: nn.Module, quantize: str, *, dtype: torch.dtype, devic
         return tied and module is output
 
     if quantize == "int8":
-        quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False), filter_fn=lambda m, _name: isinstance(m, nn.Linear)
-                  and not keep_float(m))
+        config = Int8WeightOnlyConfig(set_inductor_config=False)
+        quantize_(model, config, filter_fn=lambda m, _name: isinstance(m, nn.Linear) and not keep_float(m))
     else:
         for group_size in INT4_GROUP_SIZES:  # one pass per group size: each layer gets the coarsest that fits
             config = int4_config(group_size, dtype=dtype, device=device)
