@@ -113,7 +113,8 @@ def load_head(path: str | os.PathLike, *, model, parts: ModelParts) -> ExitHead:
 
     def check_tensors(manifest: dict, header: dict) -> None:
         # The head is built first (a float layer even beside a quantized target), then its file checked against it.
-        built.append(ExitHead.from_model(parts, exit_layer=manifest["exit_layer"], source_layer=manifest["source_layer"]))
+        built.append(ExitHead.from_model(parts, exit_layer=manifest["exit_layer"],
+                                         source_layer=manifest["source_layer"]))
         check_head_header(header, built[0].layer)
 
     artifact = load_artifact(

@@ -216,7 +216,8 @@ def int4_config(group_size: int, *, dtype: torch.dtype, device: torch.device):
         except ImportError:
             version = getattr(importlib.import_module("torchao"), "__version__", "?")
             raise ImportError(f"quantize='int4' on CPU needs torchao >= 0.18 (its CPU int4 layout, "
-                              f"PrototypeInt4WeightOnlyConfig); found torchao {version}: pip install -U torchao") from None
+                              f"PrototypeInt4WeightOnlyConfig); found torchao {version}: "
+                              "pip install -U torchao") from None
         return PrototypeInt4WeightOnlyConfig(group_size=group_size, set_inductor_config=False)
     from torchao.quantization import Int4WeightOnlyConfig
 
