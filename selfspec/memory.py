@@ -45,7 +45,8 @@ class MemoryReport:
     def summary(self) -> str:
         """One line: weights (of which embedding), KV cache for the context, and the plan's extras, in MiB."""
         line = (f"memory: weights {self.weight_bytes / MIB:.1f} MiB "
-                f"(embedding and LM head {self.embedding_bytes / MIB:.1f}), KV cache {self.kv_cache_bytes / MIB:.1f} MiB for {self.context} tokens")
+                f"(embedding and LM head {self.embedding_bytes / MIB:.1f}), "
+                f"KV cache {self.kv_cache_bytes / MIB:.1f} MiB for {self.context} tokens")
         if self.head_bytes:
             line += f", exit head {self.head_bytes / MIB:.1f} MiB"
         if self.vocab_bytes:
