@@ -56,10 +56,12 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.utils import logging as hf_logging
 
-from .quant import check_quantize_options, quantize_model
+from .quant import check_quantize_options, quantize_model, quiet_torchao_import
+
+with quiet_torchao_import():  # transformers' modeling code imports torchao when it is installed
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 __all__ = ["KNOWN_MODELS", "KnownModel", "default_cache_dir", "load"]
 

@@ -22,8 +22,11 @@ This module does not know plans, caches or the decode loop.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
+import logging
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -33,6 +36,27 @@ QUANT_EXTRA = "pip install 'selfspec[quant]'"
 INT4_GROUP_SIZES = (128, 64, 32)  # the CPU kernel's group sizes, the coarsest that divides in_features first
 INT4_ROW_MULTIPLE = 16  # the CPU int4 packing needs out_features divisible by 16
 PLAIN_TYPES = (torch.Tensor, nn.Parameter)
+# What importing torchao logs on a CPU machine, once, as warnings: its CUDA-only extensions did not load, and
+# torch's notice that its Enum registrations are deprecated. Noise to a CPU user; every CLI error is one line.
+IMPORT_NOISE_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+@contextlib.contextmanager
+def quiet_torchao_import() -> Iterator[None]:
+    """Within the block, the loggers above report errors only (then their levels are restored).
+
+    transformers imports torchao, when it is installed, the first time its
+    modeling code is imported; `loading.py` does that inside this block.
+    """
+    loggers = [logging.getLogger(name) for name in IMPORT_NOISE_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 # --------------------------------------------------------------------------- recognising quantized weights
