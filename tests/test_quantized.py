@@ -337,3 +337,11 @@ def test_generate_and_train_head_commands_on_a_quantized_model(tiny_folder, tmp_
     model, _ = selfspec.load(tiny_folder, quantize="int8", progress=False)
     spec = selfspec.wrap(model, plan=str(out.parent / f"{out.name}.plan.json"))
     assert spec.head is not None and weight_kinds(spec.head) == {"Parameter"}
+
+
+@needs_torchao
+def test_a_model_without_quantizable_linear_layers_is_refused():
+    """GPT-2's blocks use Conv1D and its head is tied to the embedding: nothing for quantize= to quantize."""
+    model = copy.deepcopy(tiny_model("gpt2", torch.float32))
+    with pytest.raises(ValueError, match="quantize='int8': no linear layer of this model could be quantized"):
+        quantize_model(model, "int8", dtype=torch.float32, device=CPU)
