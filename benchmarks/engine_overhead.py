@@ -1,11 +1,13 @@
 """model.generate vs selfspec's plain path vs selfspec's default plan, side by side.
 
     python -m benchmarks.engine_overhead bfloat16 2 64     # dtype, threads, new tokens
+    python -m benchmarks.engine_overhead bfloat16 2 64 int8   # ... of the model quantized (selfspec.load quantize=)
 
 Three chat prompts, each run twice per method, methods interleaved in a
 rotating order in one process after a warm-up; every run generates exactly N
 tokens (min_new_tokens=N). Prints median tokens/s and the ratio to
-model.generate measured in the same run. The full comparison with other
+model.generate measured in the same run, the CPU capability torch dispatches
+to, and what `spec.memory()` reports for the model. The full comparison with other
 methods over Spec-Bench is benchmarks/run.py.
 """
 
@@ -21,8 +23,9 @@ import selfspec
 
 dtype, threads = sys.argv[1], int(sys.argv[2])
 N = int(sys.argv[3]) if len(sys.argv) > 3 else 64
+quantize = sys.argv[4] if len(sys.argv) > 4 else None
 torch.set_num_threads(threads)
-model, tok = selfspec.load("smollm2-135m-instruct", dtype=dtype, progress=False)
+model, tok = selfspec.load("smollm2-135m-instruct", dtype=dtype, progress=False, quantize=quantize)
 prompts = ["Write a haiku about autumn.", "Explain how a bicycle works in simple terms.", "List three tips for learning to program."]
 ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"] for p in prompts]
 plain = selfspec.wrap(model, plan=selfspec.DraftPlan.plain())
@@ -58,7 +61,8 @@ with torch.no_grad():
 
 print(f"command: python {' '.join(sys.argv)}")
 print(f"machine: {platform.platform()}, {platform.processor() or 'cpu'}, torch {torch.__version__}, transformers {transformers.__version__}")
-print(f"dtype={dtype} threads={threads} new_tokens={N} prompts={len(ids)} x 2 repeats, interleaved; plan: {default.describe_plan()}")
+print(f"cpu capability: {torch.backends.cpu.get_cpu_capability()}; {default.memory(context=512).summary()} (context 512)")
+print(f"dtype={dtype} quantize={quantize} threads={threads} new_tokens={N} prompts={len(ids)} x 2 repeats, interleaved; plan: {default.describe_plan()}")
 base = statistics.median(speeds["model.generate"])
 for name, values in speeds.items():
     c = counts[name]

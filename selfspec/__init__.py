@@ -9,10 +9,11 @@
 
 from .registry import supported_model_types
 from .engine import SelfSpecModel, wrap
+from .memory import MemoryReport
 from .plan import DraftPlan
 from .stats import GenerationStats
 
-__all__ = ["DraftPlan", "GenerationStats", "SelfSpecModel", "load", "supported_model_types", "wrap"]
+__all__ = ["DraftPlan", "GenerationStats", "MemoryReport", "SelfSpecModel", "load", "supported_model_types", "wrap"]
 __version__ = "0.1.0"
 
 

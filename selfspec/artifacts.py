@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .parts import ModelParts, text_config
+from .quant import dense_rows
 
 ARTIFACT_FORMAT = "selfspec.artifact/1"
 FINGERPRINT_ROWS = 64
@@ -36,7 +37,8 @@ FINGERPRINT_ROWS = 64
 def model_identity(model, parts: ModelParts) -> dict[str, Any]:
     """What identifies the weights an artifact was made for."""
     config = text_config(model.config)
-    rows = parts.embed.weight[:FINGERPRINT_ROWS].detach().to("cpu", torch.bfloat16).contiguous()
+    first = torch.arange(min(FINGERPRINT_ROWS, parts.embed.weight.shape[0]), device=parts.embed.weight.device)
+    rows = dense_rows(parts.embed, first, dtype=parts.dtype).detach().to("cpu", torch.bfloat16).contiguous()
     digest = hashlib.sha256(rows.view(torch.int16).numpy().tobytes()).hexdigest()[:16]
     return {
         "model_type": getattr(config, "model_type", None),

@@ -35,10 +35,12 @@ from .costs import (
 from .draft import Drafter
 from .head import ExitHead, load_head
 from .hf_generation import GenerationSettings, resolve_settings
+from .memory import MemoryReport, memory_report
 from .parts import ModelParts, text_config
 from .passes import TargetPasses
 from .plan import DraftPlan
 from .policy import AdaptivePolicy, CostPolicy
+from .quant import describe_quantization
 from .registry import adapter_for
 from .runner import LayerRunner
 from .scoring import Scorer
@@ -82,6 +84,7 @@ class SelfSpecModel:
         self.adapter = adapter
         self.parts: ModelParts = adapter.bind(model)
         self.plan = plan
+        self.quantization = describe_quantization(model)  # None, or which weights are quantized and how
         self.head: ExitHead | None = None
         self.vocab: DraftVocab | None = None
         if plan.drafts and plan.head is not None:
@@ -144,10 +147,28 @@ class SelfSpecModel:
             return measure()
         return load_or_measure(costs_cache_dir(), self._costs_key(), measure)
 
+    def memory(self, *, context: int | None = None) -> MemoryReport:
+        """Bytes held: weights as stored, the KV cache for `context` positions, the plan's head and vocabulary.
+
+        `context`: positions the cache holds (default: the model's context,
+        `max_position_embeddings`; a generation holds prompt + max_new_tokens +
+        draft_length + 1).
+        """
+        if context is None:
+            context = getattr(text_config(self.model.config), "max_position_embeddings", None)
+            if context is None:
+                raise ValueError("this model's config has no max_position_embeddings: pass context=N (positions)")
+        vocab = () if self.vocab is None else (self.vocab.weight, self.vocab.bias, self.vocab.ids)
+        return memory_report(self.model, self.parts, context=context, head=self.head, vocab_tensors=vocab,
+                             quantization=self.quantization)
+
     def _costs_key(self) -> str:
         """The disk cache's key: the model, the plan's draft, dtype, device, threads and processor."""
         device = self.parts.device
+        # A quantized model's passes cost other times than its float twin's (same dtype, same identity).
+        weights = {} if self.quantization is None else {"quantization": self.quantization}
         return cache_key(
+            **weights,
             model=model_identity(self.model, self.parts),
             draft=self.describe_plan(),
             dtype=str(self.parts.dtype),

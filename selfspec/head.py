@@ -15,17 +15,23 @@ Saved as an artifact (`artifacts.py`): the layer's weights in float32 and a
 manifest with the model identity, the exit layer, the layer it was copied
 from and its shape. Loading a head made for another model is refused.
 
+With a quantized target (`quant.py`) the head is built beside it in float,
+in the dtype of the model's activations: a dequantized copy of the source
+layer, which training and a saved head's float weights then fill. The target
+stays quantized; only the draft's one extra layer is float (its bytes are in
+`SelfSpecModel.memory()`).
+
 This module does not train the head and does not decide when it runs.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 
 from torch import nn
 
 from .parts import ModelParts
+from .quant import dense_copy
 from .artifacts import load_artifact, model_identity, save_artifact
 
 KIND = "exit_head"
@@ -53,7 +59,7 @@ class ExitHead(nn.Module):
         source = n - 1 if source_layer is None else source_layer
         if not 0 <= source < n:
             raise ValueError(f"source_layer={source} out of range (valid: 0..{n - 1})")
-        layer = copy.deepcopy(parts.layers[source])
+        layer = dense_copy(parts.layers[source], dtype=parts.dtype)  # a plain deepcopy for a float model
         return cls(layer, exit_layer=exit_layer, source_layer=source, slot=n)
 
     def shape(self) -> dict:
@@ -103,13 +109,20 @@ def check_head_header(header: dict, layer: nn.Module) -> None:
 
 def load_head(path: str | os.PathLike, *, model, parts: ModelParts) -> ExitHead:
     """A saved head, in the model's dtype and on its device; refused if made for another model."""
+    built: list[ExitHead] = []
+
+    def check_tensors(manifest: dict, header: dict) -> None:
+        # The head is built first (a float layer even beside a quantized target), then its file checked against it.
+        built.append(ExitHead.from_model(parts, exit_layer=manifest["exit_layer"],
+                                         source_layer=manifest["source_layer"]))
+        check_head_header(header, built[0].layer)
+
     artifact = load_artifact(
         path, kind=KIND, model_id=model_identity(model, parts),
         check_manifest=lambda manifest: check_head_manifest(manifest, parts.num_layers),
-        check_tensors=lambda manifest, header: check_head_header(header, parts.layers[manifest["source_layer"]]),
+        check_tensors=check_tensors,
     )
-    manifest = artifact.manifest
-    head = ExitHead.from_model(parts, exit_layer=manifest["exit_layer"], source_layer=manifest["source_layer"])
+    head = built[0]
     missing, unexpected = head.layer.load_state_dict(artifact.tensors, strict=False)
     if missing or unexpected:
         raise ValueError(f"{artifact.path}: head weights do not fit this model's layer "

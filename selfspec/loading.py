@@ -56,7 +56,11 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from .quant import check_quantize_options, quantize_model, quiet_torchao_import
+
+with quiet_torchao_import():  # transformers' modeling code imports torchao when it is installed
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 __all__ = ["KNOWN_MODELS", "KnownModel", "default_cache_dir", "load"]
@@ -257,6 +261,7 @@ def load(
     cache_dir: str | os.PathLike | None = None,
     progress: bool = True,
     verify: bool = False,
+    quantize: str | None = None,
 ) -> ModelAndTokenizer:
     """Load a causal LM and its tokenizer, ready for inference.
 
@@ -271,11 +276,28 @@ def load(
     A converted cache folder is checked on every load (file sizes and a sampled
     hash); `verify=True` also checks the full hash of every file. A damaged
     folder is converted again.
+
+    `quantize` ("int8", "int4" or None): after loading, quantize the linear
+    layers weight-only with torchao (`selfspec.quant.quantize_model`; the
+    `quant` extra installs it), in a layout for `device`; activations stay in
+    `dtype` (float32 or bfloat16). The float weights are read and then
+    replaced, so loading peaks at the float model's size.
     """
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(os.fspath(name_or_path)).strip():
         raise ValueError(_unknown_name_message(name_or_path))
     torch_dtype = _resolve_dtype(dtype)
     device = torch.device(device)
+    check_quantize_options(quantize, dtype=torch_dtype, device=device)  # fails before any loading
+    model, tokenizer = _load_model(name_or_path, torch_dtype, device, cache_dir, progress, verify)
+    if quantize is not None:
+        quantize_model(model, quantize, dtype=torch_dtype, device=device)
+    return model, tokenizer
+
+
+def _load_model(
+    name_or_path: str | os.PathLike, torch_dtype: torch.dtype, device: torch.device,
+    cache_dir: str | os.PathLike | None, progress: bool, verify: bool,
+) -> ModelAndTokenizer:
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
 
     known = _find_known(name_or_path) if isinstance(name_or_path, str) else None
@@ -283,7 +305,7 @@ def load(
         if torch_dtype in known.broken_dtypes:
             warnings.warn(
                 f"{known.display_name} overflows in {torch_dtype} (non-finite logits); use bfloat16 or float32",
-                stacklevel=2,
+                stacklevel=3,
             )
         source = known.gguf_source()
         return _load_gguf_cached(source, cache / known.name, torch_dtype, device, progress, verify)

@@ -13,7 +13,9 @@ bonus token.
 
 Memory: `DraftVocab` holds a gathered copy of K rows of the LM head (K/V of
 its size; 9 MB for K=8192 on SmolLM2 in bf16). It is the lever's one cost,
-and it is reported by `describe`.
+and it is reported by `describe`. From a quantized LM head the rows are
+dequantized (`quant.dense_rows`): the draft scores float rows in the
+activations' dtype, the target still runs its quantized head.
 
 The file is an artifact (`artifacts.py`): every token id ordered by count
 (ties by id) and the counts, so one file serves any K.
@@ -29,6 +31,7 @@ import torch
 from torch.nn import functional as F
 
 from .parts import ModelParts, soft_cap
+from .quant import dense_rows
 from .artifacts import load_artifact, model_identity, save_artifact
 
 KIND = "draft_vocab"
@@ -131,7 +134,7 @@ def load_vocab(path: str | os.PathLike, size: int, *, model, parts: ModelParts) 
     bias = getattr(parts.lm_head, "bias", None)
     return DraftVocab(
         ids=ids,
-        weight=weight.detach()[ids].contiguous(),
+        weight=dense_rows(parts.lm_head, ids, dtype=parts.dtype).contiguous(),  # [K, hidden]
         bias=None if bias is None else bias.detach()[ids].contiguous(),
         vocab_size=int(weight.shape[0]),
     )

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import copy
 import itertools
 import math
 
@@ -408,6 +409,22 @@ def test_sampling_matches_exact_target_law(model, artifacts, case):
     assert totals["recovered"] > 0 and totals["bonus"] > 0, totals
     assert totals["accepted"] < totals["drafted"], totals
     assert_joint_matches(counts, exact, case)
+
+
+def test_sampling_on_a_quantized_target_matches_its_exact_law(model):
+    """The target is the int8 model (torchao, float32 activations): samples follow its own exact law, same checks."""
+    pytest.importorskip("torchao")
+    from selfspec.quant import quantize_model
+
+    quantized = copy.deepcopy(model).float()
+    quantize_model(quantized, "int8", dtype=torch.float32, device=torch.device("cpu"))
+    assert type(quantized.lm_head.weight).__name__ == "Int8Tensor"
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.9)])
+    exact = exact_joint(quantized, warpers, NEW)
+    spec = selfspec.wrap(quantized, plan=selfspec.DraftPlan(layers=[0, 2], draft_length=3, policy="fixed"))
+    counts, totals = run_many(spec, N_E2E, seed=13, temperature=0.9)
+    assert totals["drafted"] > 0 and 0 < totals["accepted"] < totals["drafted"], totals
+    assert_joint_matches(counts, exact, "int8 target, layers=[0,2], k=3")
 
 
 def test_end_to_end_check_has_power(model, monkeypatch):

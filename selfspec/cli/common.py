@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+QUANTIZE_CHOICES = ("int8", "int4")  # selfspec.quant.QUANTIZE_CHOICES, without importing torch to parse arguments
 
 
 class Parser(argparse.ArgumentParser):
@@ -112,7 +113,7 @@ def device(value: str) -> str:
 
 
 def add_runtime_arguments(parser: argparse.ArgumentParser, *, dtype: str | None = "float32") -> None:
-    """--device, --threads, --verify and (unless `dtype` is None) --dtype."""
+    """--device, --threads, --verify, --quantize and (unless `dtype` is None) --dtype."""
     if dtype is not None:
         parser.add_argument("--dtype", default=dtype, choices=DTYPES, help=f"the model's dtype (default: {dtype})")
     parser.add_argument("--device", default="cpu", type=device, help="torch device (default: cpu)")
@@ -120,6 +121,9 @@ def add_runtime_arguments(parser: argparse.ArgumentParser, *, dtype: str | None 
                         help="torch CPU threads (default: torch's choice; on a busy shared machine 1 is often fastest)")
     parser.add_argument("--verify", action="store_true",
                         help="check the converted model cache with a full hash before loading it (rebuilt if damaged)")
+    parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None,
+                        help="quantize the model's linear layers weight-only after loading (torchao; "
+                             "pip install 'selfspec[quant]'); default: no quantization")
 
 
 def set_threads(threads: int | None) -> None:
@@ -190,7 +194,8 @@ def load_float32(args: argparse.Namespace):
     from ..registry import model_parts
 
     set_threads(args.threads)
-    model, tokenizer = selfspec.load(args.model, dtype="float32", device=args.device, verify=args.verify)
+    model, tokenizer = selfspec.load(args.model, dtype="float32", device=args.device, verify=args.verify,
+                                     quantize=args.quantize)
     return model, tokenizer, model_parts(model)
 
 

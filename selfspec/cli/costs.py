@@ -44,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     common.set_threads(args.threads)
     steps = {}
     for dtype in args.dtype:
-        model, _ = selfspec.load(args.model, dtype=dtype, device=args.device, verify=args.verify)
+        model, _ = selfspec.load(args.model, dtype=dtype, device=args.device, verify=args.verify,
+                                  quantize=args.quantize)
         spec = selfspec.wrap(model, plan=args.plan)
         costs = spec.measure_costs(cached=False, repeats=args.repeats)
         steps[dtype] = costs.step

@@ -59,9 +59,11 @@ def run(args: argparse.Namespace) -> int:
 
     plan = selfspec.DraftPlan.load(args.plan) if args.plan else None  # a bad plan file fails before the model loads
     common.set_threads(args.threads)
-    print(f"selfspec: loading {args.model} ({args.dtype}, {args.device})...", file=sys.stderr, flush=True)
+    weights = f", {args.quantize} weights" if args.quantize else ""
+    print(f"selfspec: loading {args.model} ({args.dtype}{weights}, {args.device})...", file=sys.stderr, flush=True)
     began = time.perf_counter()
-    model, tokenizer = selfspec.load(args.model, dtype=args.dtype, device=args.device, verify=args.verify)
+    model, tokenizer = selfspec.load(args.model, dtype=args.dtype, device=args.device, verify=args.verify,
+                                     quantize=args.quantize)
     spec = selfspec.wrap(model, plan=plan)
     print(f"selfspec: loaded in {time.perf_counter() - began:.1f} s; plan: {spec.describe_plan()}", file=sys.stderr,
           flush=True)
@@ -78,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
     stats = spec.last_stats
     print("\n")
     print(stats)
+    context = input_ids.shape[1] + args.max_new_tokens + spec.plan.draft_length + 1  # what the cache held
+    print(spec.memory(context=context).summary())
     if args.compare:
         torch.manual_seed(args.seed)
         with torch.no_grad():

@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     progress = not args.quiet
     began = time.perf_counter()
     model, tokenizer = selfspec.load(args.model, dtype=args.dtype, device=args.device, progress=progress,
-                                     verify=args.verify)
+                                     verify=args.verify, quantize=args.quantize)
 
     wanted = args.prompts + args.heldout
     if len(texts) < wanted:

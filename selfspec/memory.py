@@ -1,0 +1,102 @@
+"""What a wrapped model holds in memory: weights as stored, the KV cache for a context, and the draft's extras.
+
+- Weights: every parameter once (a tied embedding counts once), at its size
+  as stored: a quantized tensor (torchao's subclasses) counts its inner
+  tensors (packed data, scales, zero points), a bitsandbytes weight its
+  packed data and its scales. The embedding and the LM head are also
+  reported on their own (a tied one once), since they often stay in float.
+- KV cache: what `cache.py` allocates for a generation of `context`
+  positions: capacity x layers x kv heads x head dim x 2 (keys and values)
+  x the activations' dtype size. An exit head is one more layer of it.
+- Extras of a plan: an exit head's float layer, a draft vocabulary's K
+  gathered LM-head rows (and their ids).
+
+This module counts bytes; it does not allocate anything or know the decode loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .parts import ModelParts, text_config
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes a wrapped model uses (`SelfSpecModel.memory()`)."""
+
+    weight_bytes: int  # every parameter of the model once, as stored (quantized: packed data + scales)
+    embedding_bytes: int  # of those: the input embedding and the LM head (once when tied)
+    kv_cache_bytes: int  # the one KV cache for `context` positions (exit head included)
+    context: int  # positions the KV cache holds
+    head_bytes: int  # the exit head's layer (0 without one)
+    vocab_bytes: int  # the draft vocabulary's gathered rows and ids (0 without one)
+    quantization: str | None  # what is quantized, or None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_cache_bytes + self.head_bytes + self.vocab_bytes
+
+    def summary(self) -> str:
+        """One line: weights (of which embedding), KV cache for the context, and the plan's extras, in MiB."""
+        line = (f"memory: weights {self.weight_bytes / MIB:.1f} MiB "
+                f"(embedding and LM head {self.embedding_bytes / MIB:.1f}), "
+                f"KV cache {self.kv_cache_bytes / MIB:.1f} MiB for {self.context} tokens")
+        if self.head_bytes:
+            line += f", exit head {self.head_bytes / MIB:.1f} MiB"
+        if self.vocab_bytes:
+            line += f", draft vocabulary {self.vocab_bytes / MIB:.1f} MiB"
+        line += f"; {self.total_bytes / MIB:.1f} MiB in all"
+        return line + (f" ({self.quantization})" if self.quantization else "")
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of a tensor as stored: a wrapper subclass counts its inner tensors (and bitsandbytes' scales)."""
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if callable(flatten) and type(tensor) not in (torch.Tensor, nn.Parameter):
+        names, _ = flatten()
+        return sum(tensor_bytes(getattr(tensor, name)) for name in names if getattr(tensor, name) is not None)
+    size = tensor.numel() * tensor.element_size()
+    for extra in (getattr(tensor, "SCB", None), getattr(getattr(tensor, "quant_state", None), "absmax", None)):
+        if isinstance(extra, torch.Tensor):  # bitsandbytes: int8 row scales, 4-bit block scales
+            size += extra.numel() * extra.element_size()
+    return size
+
+
+def parameter_bytes(modules: list[nn.Module]) -> int:
+    """Bytes of the parameters of `modules`, each parameter counted once."""
+    seen: dict[int, int] = {}
+    for module in modules:
+        for param in module.parameters():
+            seen.setdefault(id(param), tensor_bytes(param))
+    return sum(seen.values())
+
+
+def kv_cache_bytes(parts: ModelParts, config, *, context: int, extra_layers: int = 0) -> int:
+    """capacity x layers x kv heads x head dim x 2 x dtype size: what `SharedKVCache` allocates."""
+    config = text_config(config)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dtype_size = torch.empty(0, dtype=parts.dtype).element_size()
+    return context * (parts.num_layers + extra_layers) * kv_heads * head_dim * 2 * dtype_size
+
+
+def memory_report(model: nn.Module, parts: ModelParts, *, context: int, head: nn.Module | None = None,
+                  vocab_tensors: tuple[torch.Tensor | None, ...] = (), quantization: str | None = None) -> MemoryReport:
+    if context < 1:
+        raise ValueError(f"context={context} out of range (valid: an integer >= 1)")
+    return MemoryReport(
+        weight_bytes=parameter_bytes([model]),
+        embedding_bytes=parameter_bytes([parts.embed, parts.lm_head]),
+        kv_cache_bytes=kv_cache_bytes(parts, model.config, context=context, extra_layers=int(head is not None)),
+        context=context,
+        head_bytes=0 if head is None else parameter_bytes([head]),
+        vocab_bytes=sum(tensor_bytes(t) for t in vocab_tensors if t is not None),
+        quantization=quantization,
+    )
