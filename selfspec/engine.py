@@ -180,7 +180,7 @@ class SelfSpecModel:
 
     def _policy(self, settings: GenerationSettings) -> CostPolicy | AdaptivePolicy:
         if self.plan.policy == "fixed" or not self.plan.drafts:
-            return AdaptivePolicy(self.plan)
+            return AdaptivePolicy(self.plan, off_switch=not settings.do_sample)
         # A seed must reproduce a sample: when sampling, decide from the table and the tokens alone, never from
         # timing noise (greedy output is the same whatever is drafted, so greedy runs learn from every round).
         if self.injected_costs is None and not settings.do_sample:

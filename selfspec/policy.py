@@ -229,7 +229,8 @@ class AdaptivePolicy:
     - A measured off switch: when a drafted token costs more time than the
       accepted tokens it brings back (acceptance x the time of a verify pass),
       drafting pauses for a few rounds, then probes again, backing off
-      exponentially. A poor plan so degrades toward plain speed.
+      exponentially. A poor plan so degrades toward plain speed. Greedy only:
+      when sampling, a seed's draws must not depend on timing noise.
 
     A plan with `adaptive=False` drafts its fixed k every round.
     """
@@ -237,8 +238,9 @@ class AdaptivePolicy:
     SMOOTHING = 0.8  # weight of the past in the moving averages
     MAX_PAUSE = 64  # rounds
 
-    def __init__(self, plan: DraftPlan) -> None:
+    def __init__(self, plan: DraftPlan, *, off_switch: bool = True) -> None:
         self.enabled = plan.adaptive
+        self.off_switch = off_switch  # off when sampling: a seed's draws must not depend on timing noise
         self.draft_length = plan.draft_length
         self.value = plan.threshold
         self.target = plan.target_acceptance
@@ -296,7 +298,7 @@ class AdaptivePolicy:
         self.draft_cost = _smooth(self.draft_cost, draft_seconds / drafted, self.SMOOTHING)
         delta = self.step if self.acceptance < self.target else -self.step
         self.value = min(1.0, max(0.0, self.value + delta))
-        if self.acceptance * self.verify_cost < self.draft_cost:
+        if self.off_switch and self.acceptance * self.verify_cost < self.draft_cost:
             self.paused, self.backoff = self.backoff, min(2 * self.backoff, self.MAX_PAUSE)
         else:
             self.backoff = 4

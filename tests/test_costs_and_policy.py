@@ -220,3 +220,23 @@ def test_ngram_acceptance_is_counted_by_position_in_the_proposal():
     p = CostPolicy(selfspec.DraftPlan(ngram=3, draft_length=8), RuntimeCosts(avx2_table(), learn=False))
     p.acceptance = est
     assert p.ngram_length(2, 8) == 0
+
+
+@pytest.mark.parametrize("plan", [
+    selfspec.DraftPlan(ngram=1, exit_layer=3, draft_length=8, adaptive=True, policy="fixed"),
+    selfspec.DraftPlan(ngram=2, layers=[0, 2, 4], draft_length=6),
+], ids=["fixed-adaptive", "cost"])
+def test_a_seed_reproduces_its_sample_whatever_the_timings(plan, monkeypatch):
+    """Rounds timed at random (a machine under bursts of load): a seeded sample is the same every time."""
+    import random
+
+    from selfspec import engine
+
+    jitter = random.Random(0)
+    monkeypatch.setattr(engine.Clock, "lap", lambda self: jitter.choice([1e-4, 1e-3, 1e-2, 1.0]))
+    model = tiny_model("llama")
+    prompt = random_prompt(8, seed=5).repeat(1, 3)
+    spec = selfspec.wrap(model, plan=plan)
+    runs = [spec.generate(prompt, max_new_tokens=30, do_sample=True, generator=torch.Generator().manual_seed(1))
+            for _ in range(4)]
+    assert all(torch.equal(runs[0], run) for run in runs[1:])
