@@ -74,6 +74,11 @@ def run(args: argparse.Namespace) -> int:
     if tokenizer.pad_token_id is not None:
         options["pad_token_id"] = tokenizer.pad_token_id
 
+    if args.compare:  # a fair race: both warmed up (first passes allocate; selfspec measures its pass costs)
+        warm_up = {**options, "max_new_tokens": 4}
+        with torch.no_grad():
+            spec.generate(input_ids, **warm_up)
+            model.generate(input_ids, **warm_up)
     torch.manual_seed(args.seed)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     output = spec.generate(input_ids, streamer=streamer, **options)
