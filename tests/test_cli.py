@@ -272,3 +272,10 @@ def test_verify_flag_reaches_load(monkeypatch, command, capsys):
     monkeypatch.setattr(selfspec, "load", fake_load)
     assert main([*command, "--verify"]) == 2
     assert seen.get("verify") is True and "stopped after load" in capsys.readouterr().err
+
+
+def test_generate_compare_on_a_tiny_model(tiny_folder, capsys):
+    assert main(["generate", "--model", str(tiny_folder), "--max-new-tokens", "12", "--compare", "hello there"]) == 0
+    out = capsys.readouterr().out
+    assert "model.generate:" in out and "outputs identical: yes" in out
+    assert "costs: plain step" in out and "memory: weights" in out
