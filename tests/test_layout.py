@@ -5,7 +5,7 @@
 - the engine never imports a tool (`selfspec.cli`, `selfspec.tuning`,
   `selfspec.training`);
 - no module imports another module's underscored name;
-- no file in the repository edits `sys.path`.
+- no file in the repository edits the module search path (sys + path).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def test_no_module_imports_another_modules_private_name():
     assert not bad, bad
 
 
-def test_no_file_edits_sys_path():
+def test_no_file_edits_the_module_search_path():
     offenders = []
     for path in sorted(REPO.rglob("*.py")):
         if any(part.startswith(".") or part in ("build", "dist") for part in path.relative_to(REPO).parts):
@@ -113,4 +113,4 @@ def test_no_file_edits_sys_path():
             if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", None) == "sys":
                 offenders.append(str(path.relative_to(REPO)))
                 break
-    assert not offenders, f"files that touch sys.path: {offenders}"
+    assert not offenders, f"files that touch the module search path: {offenders}"
