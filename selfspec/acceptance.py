@@ -13,7 +13,12 @@ distribution, `q` the draft's. (Published code uses the letters both ways.)
   drafted token is accepted, sample a bonus token from p. The emitted tokens
   are distributed exactly as if sampled from p one at a time.
 
-Both functions take scores that have already been through the caller's logits
+`accept_greedy_on_device` and `accept_sampling_on_device` apply the same rules
+without reading anything back to the host (the static step syncs once per
+round, after them); they return the accepted count (0-d) and the next token
+`[1]` as device tensors.
+
+All functions take scores that have already been through the caller's logits
 processors; this module does not know about processors, caches or layers.
 """
 
@@ -68,3 +73,34 @@ def accept_sampling(
 def sample(weights: torch.Tensor, generator: torch.Generator | None = None) -> int:
     """One token from unnormalised non-negative `weights` `[vocab]`."""
     return int(torch.multinomial(weights.float(), 1, generator=generator))
+
+
+def accept_greedy_on_device(draft: torch.Tensor, target_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`draft` `[k]`, `target_scores` `[k+1, vocab]`: (accepted 0-d, next token `[1]`), on the device."""
+    k = draft.shape[0]
+    choices = target_scores.argmax(dim=-1)  # [k+1]
+    accepted = (choices[:k] == draft).long().cumprod(0).sum()  # 0-d: the agreeing prefix
+    return accepted, choices.index_select(0, accepted.view(1))
+
+
+def accept_sampling_on_device(
+    draft: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`draft` `[k]`, q `[k, vocab]`, p `[k+1, vocab]`: (accepted 0-d, next token `[1]`), on the device."""
+    k = draft.shape[0]
+    device = target_probs.device
+    if k == 0:
+        return torch.zeros((), dtype=torch.long, device=device), torch.multinomial(target_probs[0].float(), 1, generator=generator)
+    index = torch.arange(k, device=device)
+    p_x = target_probs[index, draft]  # [k]
+    q_x = draft_probs[index, draft]  # [k]
+    u = torch.rand(k, generator=generator, device=device)
+    accepted = (u * q_x <= p_x).long().cumprod(0).sum()  # 0-d: accept iff u < p/q, up to the first rejection
+    q_rows = torch.cat([draft_probs, torch.zeros_like(draft_probs[:1])])  # [k+1, vocab]: no q after the last draft
+    p_row = target_probs.index_select(0, accepted.view(1))[0]  # [vocab]
+    residual = (p_row - q_rows.index_select(0, accepted.view(1))[0]).clamp_min(0)  # p itself after the last draft
+    residual = torch.where(residual.sum() > 0, residual, p_row)  # p == q up to rounding: the residual is p
+    return accepted, torch.multinomial(residual.float(), 1, generator=generator)

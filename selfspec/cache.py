@@ -71,3 +71,34 @@ class SharedKVCache:
 def _buffer_like(states: torch.Tensor, capacity: int) -> torch.Tensor:
     batch, heads, _, head_dim = states.shape
     return torch.empty(batch, heads, capacity, head_dim, dtype=states.dtype, device=states.device)
+
+
+class StaticKVCache(SharedKVCache):
+    """The same cache with fixed shapes, for the static step (`static.py`).
+
+    A write goes to the positions in `write_positions`, a device tensor `[q]`
+    the runner sets before a pass, and a layer attends to its whole buffer
+    `[batch, kv_heads, capacity, head_dim]` under a mask that hides what is not
+    valid for each query. So no shape and no host integer depends on how many
+    tokens the cache holds, and a pass can be captured once and replayed. The
+    lengths are still kept, on the host, by the runner: it knows them without
+    reading the device.
+
+    Buffers start zeroed: a masked-out key gets weight 0, and 0 x NaN would
+    still be NaN.
+    """
+
+    def __init__(self, num_layers: int, capacity: int) -> None:
+        super().__init__(num_layers, capacity)
+        self.write_positions: torch.Tensor | None = None  # [q] int64, set by the runner
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if keys is None or values is None:
+            keys = self.keys[layer_idx] = _buffer_like(key_states, self.capacity).zero_()
+            values = self.values[layer_idx] = _buffer_like(value_states, self.capacity).zero_()
+        keys.index_copy_(2, self.write_positions, key_states)
+        values.index_copy_(2, self.write_positions, value_states)
+        return keys, values

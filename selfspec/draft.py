@@ -69,15 +69,9 @@ class Drafter:
         policy says how much of it to verify; when that is nothing, the layers
         may draft.
         """
-        if self.ngram:
-            copied, match_length = longest_match(tokens, max_ngram=self.ngram, budget=policy.round_budget)
-            copied = copied[: policy.ngram_length(match_length, len(copied))] if copied else []
-            if copied:
-                probs = None
-                if scorer.do_sample:  # a deterministic proposal: q is one-hot
-                    probs = torch.zeros(len(copied), runner.parts.vocab_size, device=runner.positions.device)  # [k, vocab]
-                    probs[torch.arange(len(copied)), torch.tensor(copied)] = 1.0
-                return Draft(copied, probs, [], source="ngram", match_length=match_length)
+        copied = self.ngram_draft(tokens, policy, scorer, runner.parts.vocab_size, runner.positions.device)
+        if copied is not None:
+            return copied
         start = len(tokens) - 1
         drafted: list[int] = []
         confidences: list[float] = []
@@ -97,13 +91,30 @@ class Drafter:
                 probs.append(q)
         return Draft(drafted, torch.stack(probs) if probs else None, boundary, confidences=confidences)
 
-    def step(self, runner: LayerRunner, token: int, position: int, boundary: list[torch.Tensor] | None = None):
+    def ngram_draft(self, tokens: list[int], policy, scorer: Scorer, vocab_size: int, device) -> Draft | None:
+        """An n-gram proposal cut to the length `policy` finds worth verifying, or None (no match, or not worth it)."""
+        if not self.ngram:
+            return None
+        copied, match_length = longest_match(tokens, max_ngram=self.ngram, budget=policy.round_budget)
+        copied = copied[: policy.ngram_length(match_length, len(copied))] if copied else []
+        if not copied:
+            return None
+        probs = None
+        if scorer.do_sample:  # a deterministic proposal: q is one-hot
+            probs = torch.zeros(len(copied), vocab_size, device=device)  # [k, vocab]
+            probs[torch.arange(len(copied)), torch.tensor(copied)] = 1.0
+        return Draft(copied, probs, [], source="ngram", match_length=match_length)
+
+    def step(self, runner: LayerRunner, token: int | torch.Tensor, position: int,
+             boundary: list[torch.Tensor] | None = None) -> torch.Tensor:
         """One drafted token's pass: the plan's layers on `token` at `position`; `[1, vocab]` draft logits.
 
-        The hidden states after the exact prefix are appended to `boundary`
-        (the verify pass resumes from them).
+        `token` is an id, or a `[1, 1]` device tensor (the static step keeps
+        its choices on the device). The hidden states after the exact prefix
+        are appended to `boundary` (the verify pass resumes from them).
         """
-        hidden = runner.run(runner.embed([token], position), self.prefix_layers, position)  # [1, 1, hidden]
+        ids = token if isinstance(token, torch.Tensor) else [token]
+        hidden = runner.run(runner.embed(ids, position), self.prefix_layers, position)  # [1, 1, hidden]
         if boundary is not None:
             boundary.append(hidden)
         hidden = runner.run(hidden, self.other_layers, position)

@@ -44,12 +44,22 @@ from .quant import describe_quantization
 from .registry import adapter_for
 from .runner import LayerRunner
 from .scoring import Scorer
+from .static import GraphedRunner, StaticRunner
+from .static_loop import run_static_rounds
 from .stats import GenerationStats
 from .vocab import DraftVocab, load_vocab
 
 
+STEPS = ("auto", "eager", "static", "graphs")
+GRAPH_CAPACITY_STEP = 256  # a kept graphed runner's capacity is a multiple of this
+
+
 def wrap(
-    model, *, plan: DraftPlan | str | os.PathLike | dict | None = None, costs: PassCosts | str | None = None
+    model,
+    *,
+    plan: DraftPlan | str | os.PathLike | dict | None = None,
+    costs: PassCosts | str | None = None,
+    step: str = "auto",
 ) -> "SelfSpecModel":
     """Wrap a Hugging Face causal LM for self-speculative generation. The model is not modified.
 
@@ -59,9 +69,14 @@ def wrap(
     then cached on disk and refined by every round); a `PassCosts` table or a
     profile name ("linear": a pass over q tokens costs q plain steps; "flat":
     up to 16 tokens cost one step) to decide with those costs instead.
+    `step`: how a pass runs. "eager": shapes follow the tokens, and the draft
+    reads each choice back; "static": fixed shapes (`static.py`) and one read
+    back per round (`static_loop.py`); "graphs": static, with every pass
+    captured as a CUDA graph once and replayed (CUDA only); "auto": "graphs"
+    on CUDA, "eager" elsewhere.
     """
     adapter = adapter_for(model)
-    return SelfSpecModel(model, adapter=adapter, plan=_as_plan(plan, adapter, model.config), costs=costs)
+    return SelfSpecModel(model, adapter=adapter, plan=_as_plan(plan, adapter, model.config), costs=costs, step=step)
 
 
 def _as_plan(plan, adapter: Adapter, config) -> DraftPlan:
@@ -79,7 +94,9 @@ def _as_plan(plan, adapter: Adapter, config) -> DraftPlan:
 class SelfSpecModel:
     """A model wrapped for self-speculative decoding; `generate()` works as in transformers."""
 
-    def __init__(self, model, *, adapter: Adapter, plan: DraftPlan, costs: PassCosts | str | None = None) -> None:
+    def __init__(
+        self, model, *, adapter: Adapter, plan: DraftPlan, costs: PassCosts | str | None = None, step: str = "auto"
+    ) -> None:
         self.model = model
         self.adapter = adapter
         self.parts: ModelParts = adapter.bind(model)
@@ -97,7 +114,40 @@ class SelfSpecModel:
         self.max_width = plan.draft_length + 1  # the widest verify pass
         self.injected_costs = self._injected(costs)
         self.measured_costs: dict[tuple, RuntimeCosts] = {}  # by (threads, device): a table, refined by the rounds
+        self.step = self._resolve_step(step)
+        self.graphed: GraphedRunner | None = None  # kept across generations: its graphs hold its cache's addresses
         self.last_stats: GenerationStats | None = None
+
+    def _resolve_step(self, step: str) -> str:
+        if step not in STEPS:
+            raise ValueError(f"step={step!r} is not a way to run a pass (valid: {', '.join(map(repr, STEPS))})")
+        on_cuda = self.parts.device.type == "cuda"
+        if step == "graphs" and not on_cuda:
+            raise ValueError(f"step='graphs' needs the model on a CUDA device; it is on {self.parts.device} "
+                             f"(valid here: 'auto', 'eager', 'static')")
+        if step == "auto":
+            return "graphs" if on_cuda else "eager"
+        return step
+
+    def _runner(self, capacity: int, *, keep: bool = True) -> LayerRunner:
+        """A runner for one generation (`keep`) or one measurement, of the kind `self.step` names."""
+        if self.step == "eager":
+            return LayerRunner(self.parts, capacity=capacity, head=self.head)
+        if self.step == "static":
+            return StaticRunner(self.parts, capacity=capacity, max_width=self.max_width, head=self.head)
+        if not keep:
+            return GraphedRunner(self.parts, capacity=capacity, max_width=self.max_width, head=self.head)
+        if self.graphed is None or self.graphed.valid_capacity < capacity:
+            # Captured once per wrapped model; a longer generation recaptures at a rounded-up capacity.
+            self.graphed = None  # free the old graphs and cache first
+            rounded = -(-capacity // GRAPH_CAPACITY_STEP) * GRAPH_CAPACITY_STEP
+            self.graphed = GraphedRunner(self.parts, capacity=rounded, max_width=self.max_width, head=self.head)
+        self.graphed.cache.crop(0)
+        return self.graphed
+
+    def release(self) -> None:
+        """Drop the cache and graphs kept between generations (`step="graphs"`); the next call captures anew."""
+        self.graphed = None
 
     def __repr__(self) -> str:
         return f"SelfSpecModel({type(self.model).__name__}, adapter={self.adapter.name!r}, plan={self.describe_plan()!r})"
@@ -135,7 +185,7 @@ class SelfSpecModel:
 
         def measure() -> PassCosts:
             return measure_pass_costs(
-                lambda capacity: LayerRunner(self.parts, capacity=capacity, head=self.head),
+                lambda capacity: self._runner(capacity, keep=False),
                 draft_step if self.drafter.has_layers else None,
                 num_layers=self.parts.num_layers,
                 vocab_size=self.parts.vocab_size,
@@ -167,8 +217,10 @@ class SelfSpecModel:
         device = self.parts.device
         # A quantized model's passes cost other times than its float twin's (same dtype, same identity).
         weights = {} if self.quantization is None else {"quantization": self.quantization}
+        step = {} if self.step == "eager" else {"step": self.step}  # other shapes, other costs
         return cache_key(
             **weights,
+            **step,
             model=model_identity(self.model, self.parts),
             draft=self.describe_plan(),
             dtype=str(self.parts.dtype),
@@ -244,10 +296,11 @@ class SelfSpecModel:
     ) -> tuple[list[int], GenerationStats]:
         policy = self._policy(settings)  # first: measuring the costs (once) uses a runner of its own
         capacity = len(prompt) + settings.max_new_tokens + self.plan.draft_length + 1
-        runner = LayerRunner(self.parts, capacity=capacity, head=self.head)
+        runner = self._runner(capacity)
         scorer = Scorer(settings, generator)
         out = Output(prompt, settings, streamer)
         stats = GenerationStats(plan=self.describe_plan())
+        capture_before = runner.capture_seconds if isinstance(runner, GraphedRunner) else 0.0
         clock = Clock(self.parts.device)
 
         # Prefill: the prompt through every layer; its last row gives the first new token.
@@ -256,6 +309,28 @@ class SelfSpecModel:
         stats.verify_passes += 1
         stats.prefill_seconds = clock.lap()
 
+        if self.step == "eager":
+            self._eager_rounds(runner, policy, scorer, out, stats, clock)
+        else:
+            run_static_rounds(runner=runner, drafter=self.drafter, passes=self.passes, policy=policy, scorer=scorer,
+                              out=out, stats=stats, draft_length=self.plan.draft_length, generator=generator)
+        stats.step = runner.describe() if isinstance(runner, GraphedRunner) else self.step
+        if isinstance(runner, GraphedRunner):
+            stats.capture_seconds = runner.capture_seconds - capture_before
+
+        stats.new_tokens = len(out.tokens) - len(prompt)
+        stats.total_seconds = clock.total()
+        if isinstance(policy, CostPolicy) and policy.costs.learn:  # the next process starts from what was learned
+            save_costs(costs_cache_dir(), self._costs_key(), policy.costs.refined())
+        stats.policy = policy.describe()
+        stats.final_threshold = policy.threshold if isinstance(policy, AdaptivePolicy) else None
+        if isinstance(policy, CostPolicy):
+            stats.costs = policy.costs.table.summary()
+        return out.tokens, stats
+
+    def _eager_rounds(self, runner: LayerRunner, policy, scorer: Scorer, out: "Output", stats: GenerationStats,
+                      clock: "Clock") -> None:
+        """The rounds of the eager step: shapes follow the tokens; each drafted token is read back as chosen."""
         while not out.done:
             start = len(out.tokens) - 1  # position of the last emitted token, not in the cache yet
             policy.begin_round(min(self.plan.draft_length, out.remaining - 1))
@@ -263,11 +338,12 @@ class SelfSpecModel:
             draft = self.drafter.propose(runner, scorer, out.tokens, policy)
             draft_seconds = clock.lap()
             # 2. verify: one pass of the target over the last token and the draft
-            checked = self.passes.verify(runner, out.tokens[-1], draft, start)
+            ids = torch.tensor([[out.tokens[-1], *draft.tokens]], device=runner.positions.device)  # [1, k+1]
+            checked = self.passes.verify(runner, ids, draft.boundary, start)
             scores = scorer.scores(checked.logits, out.tokens + draft.tokens, len(out.tokens))  # [k+1, vocab]
             # 3. accept
-            if settings.do_sample:
-                verdict = accept_sampling(draft.tokens, draft.probs, scorer.probs(scores), generator)
+            if scorer.do_sample:
+                verdict = accept_sampling(draft.tokens, draft.probs, scorer.probs(scores), scorer.generator)
             else:
                 verdict = accept_greedy(draft.tokens, scores)
             # 4. roll back: keep the entries of the last token and of the accepted drafted tokens
@@ -281,16 +357,6 @@ class SelfSpecModel:
                                verify_seconds=verify_seconds, source=draft.source)
             policy.observe(draft, verdict.accepted, draft_seconds=draft_seconds, verify_seconds=verify_seconds,
                            width=len(draft.tokens) + 1)
-
-        stats.new_tokens = len(out.tokens) - len(prompt)
-        stats.total_seconds = clock.total()
-        if isinstance(policy, CostPolicy) and policy.costs.learn:  # the next process starts from what was learned
-            save_costs(costs_cache_dir(), self._costs_key(), policy.costs.refined())
-        stats.policy = policy.describe()
-        stats.final_threshold = policy.threshold if isinstance(policy, AdaptivePolicy) else None
-        if isinstance(policy, CostPolicy):
-            stats.costs = policy.costs.table.summary()
-        return out.tokens, stats
 
     def _check_prompt(self, input_ids, attention_mask) -> list[int]:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:

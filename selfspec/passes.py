@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .draft import Draft
 from .head import ExitHead
 from .runner import LayerRunner
 
@@ -52,16 +51,20 @@ class TargetPasses:
             rest = range(self.head.exit_layer, self.num_layers)
         return runner.logits(runner.run(hidden, rest, 0)[:, -1:])
 
-    def verify(self, runner: LayerRunner, last_token: int, draft: Draft, start: int) -> Checked:
-        """Target logits `[k+1, vocab]` for the last emitted token (at `start`) and the k drafted tokens."""
-        k = len(draft.tokens)
-        s = self.exact_prefix if k and draft.boundary else 0
+    def verify(self, runner: LayerRunner, ids: torch.Tensor, boundary: list[torch.Tensor], start: int) -> Checked:
+        """Target logits `[k+1, vocab]` for `ids` `[1, k+1]`: the last emitted token (at `start`) and k drafted ones.
+
+        `boundary`: the draft's states after the exact prefix for the first k
+        inputs (empty when the draft saved none, as for an n-gram proposal).
+        """
+        k = ids.shape[1] - 1
+        s = self.exact_prefix if k and boundary else 0
         if s:
             # The exact prefix already ran for x, d_1..d_{k-1}; only d_k still needs it.
-            tail = runner.run(runner.embed(draft.tokens[-1:], start + k), range(s), start + k)  # [1, 1, hidden]
-            hidden = torch.cat([*draft.boundary, tail], dim=1)  # [1, k+1, hidden]
+            tail = runner.run(runner.embed(ids[:, -1:], start + k), range(s), start + k)  # [1, 1, hidden]
+            hidden = torch.cat([*boundary, tail], dim=1)  # [1, k+1, hidden]
         else:
-            hidden = runner.embed([last_token] + draft.tokens, start)  # [1, k+1, hidden]
+            hidden = runner.embed(ids, start)  # [1, k+1, hidden]
         runner.cache.crop(start, layers=range(s, self.num_layers))  # drop the draft's inexact entries
         exit_states = None
         if self.head is not None:  # keep the states after layer E-1 for the head's cache

@@ -197,17 +197,25 @@ class CostPolicy:
         if drafted:
             self.reach *= self.acceptance.layer_token(drafted, confidence)
             self.expected += self.reach
-        remaining = self.round_budget - drafted
-        if remaining <= 0 or not self.costs.table.draft_step:
+        if self.round_budget - drafted <= 0 or not self.costs.table.draft_step:
             return False
-        future = [self.acceptance.layer_position(drafted + j + 1) for j in range(remaining)]
+        return self.draft_length_from(drafted) > drafted
+
+    def planned_length(self) -> int:
+        """The layer draft length, decided before drafting (the static step: reading a confidence would sync)."""
+        if self.round_budget <= 0 or not self.costs.table.draft_step:
+            return 0
+        return self.draft_length_from(0)
+
+    def draft_length_from(self, drafted: int) -> int:
+        """The best total layer draft length this round, after `drafted` tokens (whose odds are in `reach`)."""
+        future = [self.acceptance.layer_position(drafted + j + 1) for j in range(self.round_budget - drafted)]
         step = self.costs.draft()
-        k = choose_length(
+        return choose_length(
             accepted_so_far=self.reach, expected_so_far=self.expected, drafted=drafted, future=future,
             spent=drafted * step, draft_seconds=step,
             verify_seconds=lambda q: self.costs.verify(q, self.exact_prefix),
         )
-        return k > drafted
 
     def observe(self, draft: Draft, accepted: int, *, draft_seconds: float, verify_seconds: float, width: int) -> None:
         self.acceptance.decay()
@@ -270,6 +278,10 @@ class AdaptivePolicy:
 
     def ngram_length(self, match_length: int, available: int) -> int:
         return available  # an n-gram proposal is free: always take it whole
+
+    def planned_length(self) -> int:
+        """The static step drafts the budget: the confidence threshold would need a read back per token."""
+        return self.layer_budget
 
     def draft_next(self, drafted: int, confidence: float | None) -> bool:
         if drafted >= self.layer_budget:

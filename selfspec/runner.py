@@ -35,6 +35,8 @@ from .vocab import DraftVocab
 
 
 class LayerRunner:
+    cache_class = SharedKVCache  # the static step (`static.py`) swaps in its fixed-shape cache
+
     def __init__(self, parts: ModelParts, *, capacity: int, device: torch.device | None = None, head=None):
         device = parts.device if device is None else device
         self.parts = parts
@@ -48,7 +50,7 @@ class LayerRunner:
             self.layers.append(head.layer)
             self.windows.append(self.windows[head.source_layer])
             self.rotary_kinds.append(self.rotary_kinds[head.source_layer])
-        self.cache = SharedKVCache(len(self.layers), capacity)
+        self.cache = self.cache_class(len(self.layers), capacity)
         self.positions = torch.arange(capacity, device=device)[None]  # [1, capacity]
         # Rotary embeddings are elementwise in the position (length-dependent rope types
         # are refused by the adapter), so one table per layer type, computed up front,
@@ -61,12 +63,15 @@ class LayerRunner:
                 # (cos, sin), each [1, capacity, rot_dim]
                 self.rotary[kind] = parts.rotary(probe, position_ids=self.positions, **extra)
 
-    def embed(self, token_ids: list[int], start: int) -> torch.Tensor:
-        """`[1, q, hidden]` input embeddings of `token_ids` at positions start..start+q-1."""
-        ids = torch.tensor([token_ids], device=self.positions.device)
+    def embed(self, token_ids: list[int] | torch.Tensor, start: int) -> torch.Tensor:
+        """`[1, q, hidden]` input embeddings of `token_ids` (a list, or `[1, q]` on the device) at start..start+q-1."""
+        if isinstance(token_ids, torch.Tensor):
+            ids = token_ids  # [1, q]
+        else:
+            ids = torch.tensor([token_ids], device=self.positions.device)  # [1, q]
         hidden = self.parts.embed(ids)
         if self.parts.position_embed is not None:  # learned absolute positions (GPT-2)
-            hidden = hidden + self.parts.position_embed(self.positions[:, start : start + len(token_ids)])
+            hidden = hidden + self.parts.position_embed(self.positions[:, start : start + ids.shape[1]])
         return hidden
 
     def run(self, hidden: torch.Tensor, layers, start: int) -> torch.Tensor:

@@ -21,14 +21,13 @@ class Scorer:
         self.do_sample = settings.do_sample
         self.generator = generator
 
-    def scores(self, logits: torch.Tensor, tokens: list[int], first: int) -> torch.Tensor:
-        """Processed scores `[m, vocab]`: row j is conditioned on `tokens[:first + j]`."""
+    def scores(self, logits: torch.Tensor, tokens: list[int] | torch.Tensor, first: int) -> torch.Tensor:
+        """Processed scores `[m, vocab]`: row j is conditioned on `tokens[:first + j]` (a list or a 1-d tensor)."""
         if not self.processors:
             return logits
-        rows = []
-        for j in range(logits.shape[0]):
-            prefix = torch.tensor([tokens[: first + j]], device=logits.device)  # [1, first + j]
-            rows.append(self.processors(prefix, logits[j : j + 1]))
+        if not isinstance(tokens, torch.Tensor):
+            tokens = torch.tensor(tokens, device=logits.device)
+        rows = [self.processors(tokens[None, : first + j], logits[j : j + 1]) for j in range(logits.shape[0])]
         return torch.cat(rows)
 
     def probs(self, scores: torch.Tensor) -> torch.Tensor:
@@ -39,6 +38,18 @@ class Scorer:
         if self.do_sample:
             return int(torch.multinomial(self.probs(scores)[0], 1, generator=self.generator))
         return int(scores[0].argmax())
+
+    def draft_choice_on_device(
+        self, scores: torch.Tensor, *, with_confidence: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """As `draft_choice`, read nothing back: the token `[1, 1]`, its confidence (0-d) and q `[vocab]` on the device."""
+        if self.do_sample:
+            q = self.probs(scores)[0]  # [vocab]
+            token = torch.multinomial(q, 1, generator=self.generator)  # [1]
+            return token.view(1, 1), q.max() if with_confidence else None, q
+        top = scores[0].argmax()  # 0-d
+        confidence = torch.softmax(scores[0], dim=-1)[top] if with_confidence else None
+        return top.view(1, 1), confidence, None
 
     def draft_choice(
         self, scores: torch.Tensor, *, with_confidence: bool

@@ -36,6 +36,8 @@ class GenerationStats:
     costs: str = ""  # the cost table the policy decided with (cost policy only)
     drafted_lengths: list[int] = field(default_factory=list)  # drafted_lengths[k]: rounds that drafted k tokens
     final_threshold: float | None = None
+    step: str = ""  # how passes ran: "eager", "static", or CUDA graphs (with how many, and their capture time)
+    capture_seconds: float = 0.0  # CUDA graph capture in this call (0 once the graphs exist)
 
     @property
     def acceptance_rate(self) -> float:
@@ -101,6 +103,9 @@ class GenerationStats:
             f"time: prefill {self.prefill_seconds:.3f} s, draft {self.draft_seconds:.3f} s, "
             f"verify {self.verify_seconds:.3f} s",
         ]
+        if self.step:
+            lines.append(f"step: {self.step}" + (f"; captured graphs in this call: {self.capture_seconds:.2f} s"
+                                                 if self.capture_seconds else ""))
         if self.policy:
             lines.append(f"draft length: {self.policy}")
         if self.costs:

@@ -1,0 +1,198 @@
+"""The static step: fixed shapes over the one cache, and CUDA graphs where there is CUDA.
+
+`StaticRunner` runs the same layers on the same cache layout as `LayerRunner`
+(same `embed`, `run`, `logits`), with every shape fixed:
+
+- widths: a pass over q <= `largest` tokens runs at the bucket width, the
+  smallest power of two >= q, with zero rows appended. The padded rows write
+  cache entries just past the valid ones; no real query sees them (they lie
+  after it, and the mask is causal) and the next pass overwrites them before
+  any query could. Wider passes (a prompt's prefill) run at their own width.
+- positions: the pass's start is added on the device to a fixed range, and
+  the cache (`StaticKVCache`) writes at those positions;
+- attention covers the cache's whole capacity, under a mask built on the
+  device from the positions.
+
+So a pass is the same sequence of kernels whatever the cache holds, and
+`GraphedRunner` captures one CUDA graph per (layer set, width) at its first
+use and replays it after. The host still knows every length (it chose them),
+so bookkeeping needs no device read.
+
+This module knows shapes, positions, masks and graphs; it does not know
+plans, acceptance or the decode loop (`static_loop.py`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .cache import StaticKVCache
+from .parts import ModelParts
+from .runner import LayerRunner
+
+MAX_GRAPHS = 64  # captured passes per runner; past it, passes run uncaptured
+MAX_CAPTURE_SECONDS = 120.0  # total capture time per runner; past it, passes run uncaptured
+
+
+def bucket(q: int, largest: int) -> int:
+    """The width a pass over q tokens runs at: the smallest power of two >= q, or q past `largest`."""
+    if q > largest:
+        return q
+    return 1 << (q - 1).bit_length()
+
+
+def largest_bucket(max_width: int) -> int:
+    """The widest padded pass for verify passes of up to `max_width` tokens (at least 16: n-gram rounds)."""
+    return bucket(max(max_width, 16), 1 << 30)
+
+
+class StaticRunner(LayerRunner):
+    """A `LayerRunner` whose passes have fixed shapes (see the module docstring)."""
+
+    cache_class = StaticKVCache
+
+    def __init__(self, parts: ModelParts, *, capacity: int, max_width: int, device=None, head=None):
+        self.largest = largest_bucket(max_width)
+        # Room for the padded rows of a pass that starts at the last valid position.
+        super().__init__(parts, capacity=capacity + self.largest, device=device, head=head)
+        device = self.positions.device
+        self.valid_capacity = capacity
+        self.offsets = torch.arange(self.largest, device=device)  # [largest]
+        self.key_positions = self.positions[0]  # [capacity]
+
+    def run(self, hidden: torch.Tensor, layers, start: int) -> torch.Tensor:
+        """Run `layers` on `hidden` `[1, q, hidden]` at positions start..start+q-1, padded to its bucket."""
+        layers = tuple(layers)
+        q = hidden.shape[1]
+        if not layers:
+            return hidden
+        for i in layers:
+            if self.cache.lengths[i] != start:
+                raise RuntimeError(
+                    f"cache out of step: layer {i} holds {self.cache.lengths[i]} positions, expected {start}"
+                )
+        if start + q > self.valid_capacity:
+            raise RuntimeError(f"KV cache overflow: {start + q} positions > capacity {self.valid_capacity}")
+        width = bucket(q, self.largest)
+        if width > q:
+            hidden = F.pad(hidden, (0, 0, 0, width - q))  # [1, width, hidden], zero rows after the real ones
+        out = self.fixed_pass(hidden, layers, start)  # [1, width, hidden]
+        for i in layers:
+            self.cache.lengths[i] = start + q
+        return out[:, :q]
+
+    def fixed_pass(self, hidden: torch.Tensor, layers: tuple[int, ...], start) -> torch.Tensor:
+        """`layers` on `hidden` `[1, width, hidden]` at start..start+width-1; `start` an int or a 0-d device tensor."""
+        width = hidden.shape[1]
+        if width <= self.largest:
+            positions = self.offsets[:width] + start  # [width], on the device
+        else:  # a wide prefill: a plain range
+            positions = torch.arange(start, start + width, device=self.offsets.device)
+        self.cache.write_positions = positions
+        rotary = {kind: (cos[:, positions], sin[:, positions]) for kind, (cos, sin) in self.rotary.items()}
+        masks: dict[int | None, torch.Tensor] = {}
+        for i in layers:
+            window = self.windows[i]
+            if window not in masks:
+                masks[window] = self.capacity_mask(positions, window)
+            hidden = self.call(
+                self.layers[i],
+                hidden,
+                mask=masks[window],
+                position_embeddings=rotary.get(self.rotary_kinds[i]),
+                position_ids=positions[None],
+                cache=self.cache,
+            )
+        return hidden
+
+    def capacity_mask(self, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+        """`[1, 1, width, capacity]` mask: query at p sees keys k <= p (and p - k < window)."""
+        query = positions[:, None]  # [width, 1]
+        key = self.key_positions[None]  # [1, capacity]
+        allowed = key <= query
+        if window is not None:
+            allowed &= key > query - window
+        if self.bool_masks:
+            return allowed[None, None]
+        additive = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
+        return additive.masked_fill(~allowed, torch.finfo(self.dtype).min)[None, None]
+
+
+class CapturedPass:
+    """One CUDA graph: its input buffers, its output, and the graph to replay."""
+
+    def __init__(self, graph, hidden: torch.Tensor, start: torch.Tensor, output: torch.Tensor) -> None:
+        self.graph = graph
+        self.hidden = hidden  # [1, width, hidden]: copy the input here before a replay
+        self.start = start  # 0-d int64: the pass's first position
+        self.output = output  # [1, width, hidden]: valid after a replay, until the next one
+
+    def replay(self, hidden: torch.Tensor, start: int) -> torch.Tensor:
+        self.hidden.copy_(hidden)
+        self.start.fill_(start)
+        self.graph.replay()
+        return self.output.clone()  # the next replay overwrites the output
+
+
+class GraphedRunner(StaticRunner):
+    """A `StaticRunner` that captures each (layer set, width) pass as a CUDA graph on first use.
+
+    The graphs hold the addresses of this runner's cache, so the runner lives
+    as long as the wrapped model uses it (the engine keeps one and reuses it
+    for every generation that fits its capacity). A pass that fails to capture
+    turns graphs off for the runner and says why in `graph_error`; the passes
+    then run uncaptured, with the same result.
+    """
+
+    def __init__(self, parts: ModelParts, *, capacity: int, max_width: int, device=None, head=None):
+        super().__init__(parts, capacity=capacity, max_width=max_width, device=device, head=head)
+        if self.positions.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the model is on {self.positions.device}")
+        self.graphs: dict[tuple, CapturedPass] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.capture_seconds = 0.0
+        self.graph_error: str | None = None
+
+    def fixed_pass(self, hidden: torch.Tensor, layers: tuple[int, ...], start) -> torch.Tensor:
+        width = hidden.shape[1]
+        if isinstance(start, torch.Tensor) or width > self.largest:  # inside a capture, or a wide prefill
+            return super().fixed_pass(hidden, layers, start)
+        key = (layers, width)
+        captured = self.graphs.get(key)
+        if captured is not None:
+            return captured.replay(hidden, start)
+        if self.graph_error is not None or len(self.graphs) >= MAX_GRAPHS or self.capture_seconds > MAX_CAPTURE_SECONDS:
+            return super().fixed_pass(hidden, layers, start)
+        return self.capture(key, hidden, start)
+
+    def capture(self, key: tuple, hidden: torch.Tensor, start: int) -> torch.Tensor:
+        """Run the pass (its result is this call's), then record it as a graph for the next calls."""
+        layers, _ = key
+        began = time.perf_counter()
+        static_hidden = hidden.clone()
+        static_start = torch.tensor(start, device=hidden.device)
+        side = torch.cuda.Stream(device=hidden.device)
+        side.wait_stream(torch.cuda.current_stream(hidden.device))
+        with torch.cuda.stream(side):  # warm up on a side stream, as capture requires; this is the real pass
+            result = super().fixed_pass(static_hidden, layers, static_start).clone()
+        torch.cuda.current_stream(hidden.device).wait_stream(side)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                output = super().fixed_pass(static_hidden, layers, static_start)
+        except Exception as error:  # an architecture or processor that cannot be captured
+            self.graph_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            torch.cuda.synchronize(hidden.device)
+            return result
+        self.graphs[key] = CapturedPass(graph, static_hidden, static_start, output)
+        torch.cuda.synchronize(hidden.device)
+        self.capture_seconds += time.perf_counter() - began
+        return result
+
+    def describe(self) -> str:
+        if self.graph_error is not None:
+            return f"static, CUDA graphs off ({self.graph_error})"
+        return f"CUDA graphs ({len(self.graphs)} captured in {self.capture_seconds:.2f} s)"
