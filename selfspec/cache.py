@@ -84,6 +84,9 @@ class StaticKVCache(SharedKVCache):
     lengths are still kept, on the host, by the runner: it knows them without
     reading the device.
 
+    Uncaptured, a pass may attend to fewer positions (`span`, a multiple of a
+    fixed step) to spare the work on empty ones.
+
     Buffers start zeroed: a masked-out key gets weight 0, and 0 x NaN would
     still be NaN.
     """
@@ -91,6 +94,7 @@ class StaticKVCache(SharedKVCache):
     def __init__(self, num_layers: int, capacity: int) -> None:
         super().__init__(num_layers, capacity)
         self.write_positions: torch.Tensor | None = None  # [q] int64, set by the runner
+        self.span: int = capacity  # positions a layer attends to (set by the runner): all of them when captured
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
@@ -101,4 +105,4 @@ class StaticKVCache(SharedKVCache):
             values = self.values[layer_idx] = _buffer_like(value_states, self.capacity).zero_()
         keys.index_copy_(2, self.write_positions, key_states)
         values.index_copy_(2, self.write_positions, value_states)
-        return keys, values
+        return keys[:, :, : self.span], values[:, :, : self.span]

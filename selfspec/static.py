@@ -10,8 +10,10 @@
   any query could. Wider passes (a prompt's prefill) run at their own width.
 - positions: the pass's start is added on the device to a fixed range, and
   the cache (`StaticKVCache`) writes at those positions;
-- attention covers the cache's whole capacity, under a mask built on the
-  device from the positions.
+- attention covers the cache's whole capacity when a pass is captured, under
+  a mask built on the device from the positions; uncaptured, it covers the
+  positions in use rounded up to a multiple of `SPAN_STEP` (CPU passes do not
+  pay for empty positions).
 
 So a pass is the same sequence of kernels whatever the cache holds, and
 `GraphedRunner` captures one CUDA graph per (layer set, width) at its first
@@ -33,6 +35,7 @@ from .cache import StaticKVCache
 from .parts import ModelParts
 from .runner import LayerRunner
 
+SPAN_STEP = 64  # uncaptured passes attend to the used positions, rounded up to a multiple of this
 MAX_GRAPHS = 64  # captured passes per runner; past it, passes run uncaptured
 MAX_CAPTURE_SECONDS = 120.0  # total capture time per runner; past it, passes run uncaptured
 
@@ -92,6 +95,7 @@ class StaticRunner(LayerRunner):
         else:  # a wide prefill: a plain range
             positions = torch.arange(start, start + width, device=self.offsets.device)
         self.cache.write_positions = positions
+        self.cache.span = self.span(start, width)
         rotary = {kind: (cos[:, positions], sin[:, positions]) for kind, (cos, sin) in self.rotary.items()}
         masks: dict[int | None, torch.Tensor] = {}
         for i in layers:
@@ -108,10 +112,16 @@ class StaticRunner(LayerRunner):
             )
         return hidden
 
+    def span(self, start, width: int) -> int:
+        """How many cache positions a pass attends to: those in use, rounded up (all of them when captured)."""
+        if isinstance(start, torch.Tensor):  # captured: the start is not known on the host
+            return self.cache.capacity
+        return min(self.cache.capacity, -(-(start + width) // SPAN_STEP) * SPAN_STEP)
+
     def capacity_mask(self, positions: torch.Tensor, window: int | None) -> torch.Tensor:
-        """`[1, 1, width, capacity]` mask: query at p sees keys k <= p (and p - k < window)."""
+        """`[1, 1, width, span]` mask: query at p sees keys k <= p (and p - k < window)."""
         query = positions[:, None]  # [width, 1]
-        key = self.key_positions[None]  # [1, capacity]
+        key = self.key_positions[None, : self.cache.span]  # [1, span]
         allowed = key <= query
         if window is not None:
             allowed &= key > query - window
