@@ -2,8 +2,9 @@
 
 Property-based over plans (random layer subsets, every exit layer, draft
 lengths 1..10, fixed and adaptive), prompts, `max_new_tokens` and EOS tokens
-chosen so that they land inside a draft; for every architecture in
-`selfspec.testing.TINY_CONFIGS`, in float64 and float32.
+chosen so that they land inside a draft, and the step (eager or static);
+for every architecture in `selfspec.testing.TINY_CONFIGS`, in float64 and
+float32.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def test_greedy_matches_generate(arch, dtype, data):
     plan = data.draw(plans(num_layers), label="plan")
     prompt = random_prompt(data.draw(st.integers(1, 24), label="prompt length"), seed=data.draw(st.integers(0, 999)))
     max_new = data.draw(st.integers(1, 40), label="max_new_tokens")
-    spec = selfspec.wrap(model, plan=plan)
+    step = data.draw(st.sampled_from(["eager", "static"]), label="step")  # how passes run (static.py)
+    spec = selfspec.wrap(model, plan=plan, step=step)
     ref = reference(model, prompt, max_new_tokens=max_new)
     assert_same(spec.generate(prompt, max_new_tokens=max_new), ref, plan)
 

@@ -33,11 +33,13 @@ c = ln(2 V / DELTA), so each check falsely fails with probability at most
 DELTA = 1e-7, whatever the number of cells. A cell with p_i = 0 that is ever
 observed gives KL = inf: an impossible token fails the check outright.
 
-This file runs CHECKS_IN_FILE = 64 such checks on samples whose law is the
-reference law (test 1: 6 pairs + 4 Markov-chain checks + 6 checks that the
-wrong-rule harness produces the wrong rule's own exact law; test 2: 6 cases x
-8), so over random seeds the whole file would falsely fail with probability
-at most 64 * 1e-7 = 6.4e-6 (< 1e-5). All seeds are fixed, so the outcome is
+This file runs CHECKS_IN_FILE = 86 such checks on samples whose law is the
+reference law (test 1: 6 pairs for each of the two implementations of the
+rule, the host one and the device one of the static step, + 4 Markov-chain
+checks + 6 checks that the wrong-rule harness produces the wrong rule's own
+exact law; test 2: 8 cases x 8, two of them on the static step), so over
+random seeds the whole file would falsely fail with probability at most
+86 * 1e-7 = 8.6e-6 (< 1e-5). All seeds are fixed, so the outcome is
 deterministic anyway.
 
 Power (a wrong sampler must fail): in test 1 a wrong rule is only run on
@@ -67,11 +69,12 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 import selfspec
 import selfspec.engine
-from selfspec.acceptance import Verdict, accept_sampling, sample
+import selfspec.static_loop
+from selfspec.acceptance import Verdict, accept_sampling, accept_sampling_on_device, sample
 from selfspec.testing import make_head, make_vocab
 
 DELTA = 1e-7  # false-failure probability bound of one `assert_distribution` check
-CHECKS_IN_FILE = 64  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
+CHECKS_IN_FILE = 86  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -195,11 +198,19 @@ def first_token_counts(rule, p: torch.Tensor, q: torch.Tensor, n: int, seed: int
     return torch.tensor(counts)
 
 
+def accept_sampling_device_rule(draft_tokens, draft_probs, target_probs, generator=None) -> Verdict:
+    """The static step's rule (`accept_sampling_on_device`), read back as a `Verdict`."""
+    accepted, next_token = accept_sampling_on_device(torch.tensor(draft_tokens, dtype=torch.long), draft_probs,
+                                                     target_probs, generator)
+    return Verdict(int(accepted), int(next_token))
+
+
+@pytest.mark.parametrize("rule", [accept_sampling, accept_sampling_device_rule], ids=["host", "device"])
 @pytest.mark.parametrize("name", list(PAIRS))
-def test_accept_sampling_first_token_follows_p(name):
-    """6 checks (one per pair) at DELTA = 1e-7 each, N = 20,000 rounds per pair."""
+def test_accept_sampling_first_token_follows_p(name, rule):
+    """12 checks (one per pair and rule) at DELTA = 1e-7 each, N = 20,000 rounds per pair."""
     p, q = PAIRS[name]
-    counts = first_token_counts(accept_sampling, p, q, N_UNIT, seed=1)
+    counts = first_token_counts(rule, p, q, N_UNIT, seed=1)
     assert_distribution(counts, p, f"accept_sampling, pair {name!r}")
 
 
@@ -366,6 +377,11 @@ CASES = {
     ),
 }
 COSTS = {"T=0.9, layers=[0,2], cost policy (flat profile), k<=4": "flat"}
+CASES["static step: T=0.7, top_k=6, layers=[0,2], k=4"] = CASES["T=0.7, top_k=6, layers=[0,2], k=4"]
+CASES["static step: T=0.8, top_p=0.9, head + draft vocabulary 6/16, k=3"] = (
+    CASES["T=0.8, top_p=0.9, head + draft vocabulary 6/16, k=3"]
+)
+STEPS = {case: "static" for case in CASES if case.startswith("static step")}
 
 
 def run_many(spec, n: int, seed: int, **sampling) -> tuple[torch.Tensor, dict]:
@@ -402,7 +418,7 @@ def test_sampling_matches_exact_target_law(model, artifacts, case):
     plan, sampling, warpers = CASES[case]
     plan = plan(artifacts) if callable(plan) else plan
     exact = exact_joint(model, warpers, NEW)
-    spec = selfspec.wrap(model, plan=plan, costs=COSTS.get(case))
+    spec = selfspec.wrap(model, plan=plan, costs=COSTS.get(case), step=STEPS.get(case, "eager"))
     counts, totals = run_many(spec, N_E2E, seed=11, **sampling)
     # the drafted/verified machinery was really exercised, on every path
     assert totals["drafted"] > 0 and totals["accepted"] > 0, totals
@@ -438,13 +454,31 @@ def test_end_to_end_check_has_power(model, monkeypatch):
         assert_joint_matches(counts, exact, "always-accept engine")
 
 
+def always_accept_on_device(draft, draft_probs, target_probs, generator=None):
+    """WRONG rule, as the static step would run it: keep every drafted token."""
+    k = draft.shape[0]
+    return torch.tensor(k), torch.multinomial(target_probs[k], 1, generator=generator)
+
+
+def test_end_to_end_check_has_power_on_the_static_step(model, monkeypatch):
+    """The same power check, with the always-accept rule swapped into the static step's loop."""
+    plan, sampling, warpers = CASES["T=1, exit_layer=2, k=3"]
+    exact = exact_joint(model, warpers, NEW)
+    monkeypatch.setattr(selfspec.static_loop, "accept_sampling_on_device", always_accept_on_device)
+    counts, totals = run_many(selfspec.wrap(model, plan=plan, step="static"), 400, seed=11, **sampling)
+    assert totals["accepted"] == totals["drafted"] > 0
+    with pytest.raises(AssertionError, match="differs from the exact one"):
+        assert_joint_matches(counts, exact, "always-accept static step")
+
+
 # -- 3. and 4. seeds and plans -------------------------------------------------------------------
 
 DRAFT_PLAN = selfspec.DraftPlan(exit_layer=1, draft_length=4, policy="fixed")
 
 
-def test_seeded_generator_reproduces(model):
-    spec = selfspec.wrap(model, plan=DRAFT_PLAN)
+@pytest.mark.parametrize("step", ["eager", "static"])
+def test_seeded_generator_reproduces(model, step):
+    spec = selfspec.wrap(model, plan=DRAFT_PLAN, step=step)
     kwargs = dict(max_new_tokens=30, do_sample=True, temperature=0.9, top_k=10)
     torch.manual_seed(0)  # the global RNG must not matter when a generator is given
     a = spec.generate(PROMPT, generator=torch.Generator().manual_seed(123), **kwargs)

@@ -1,0 +1,191 @@
+"""The static step (`step="static"`): fixed shapes, device positions, one read back per round.
+
+- float64 output equals `model.generate` token for token on every
+  architecture (windowed ones with a window shorter than the prompt), for
+  every plan kind: layer subsets, early exits, an exit head, a draft
+  vocabulary, n-gram proposals, the cost policy, the plain path; prompts
+  shorter and longer than a padded bucket and than the span step;
+- logits processors and stopping criteria act as in plain decoding;
+- a round reads the device back once (the count is checked);
+- the widths a pass runs at are the buckets, and errors are clear.
+
+The hypothesis property test in `test_greedy_equivalence.py` draws the step
+too, and `test_sampling.py` runs the sampling statistics on this step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, StoppingCriteria, StoppingCriteriaList
+
+import selfspec
+import selfspec.static
+from plan_strategies import assert_same
+from selfspec.static import StaticRunner, bucket, largest_bucket
+from selfspec.testing import TINY_CONFIGS, has_window, make_head, make_vocab, random_prompt, tiny_model
+
+ARCHS = sorted(TINY_CONFIGS)
+WINDOW = 8
+
+
+def model_for(arch: str):
+    return tiny_model(arch, torch.float64, window=WINDOW if has_window(arch) else None)
+
+
+def plan_kinds(model, folder) -> dict[str, selfspec.DraftPlan | None]:
+    head = str(make_head(model, folder / "head", exit_layer=2, noise=0.05))
+    vocab = str(make_vocab(model, folder / "vocab"))
+    return {
+        "exit 2, k=4": selfspec.DraftPlan(exit_layer=2, draft_length=4, policy="fixed"),
+        "layers 0,1,3,5, k=9": selfspec.DraftPlan(layers=[0, 1, 3, 5], draft_length=9, policy="fixed"),
+        "layers 1,4 (no exact prefix)": selfspec.DraftPlan(layers=[1, 4], draft_length=3, policy="fixed"),
+        "head at 2": selfspec.DraftPlan(exit_layer=2, head=head, draft_length=3, policy="fixed"),
+        "head + vocab + n-grams": selfspec.DraftPlan(exit_layer=2, head=head, draft_vocab=vocab, draft_vocab_size=20,
+                                                     draft_length=4, ngram=2, policy="fixed"),
+        "n-grams only": selfspec.DraftPlan(draft_length=6, ngram=1, policy="fixed"),
+        "cost policy": selfspec.DraftPlan(exit_layer=3, draft_length=5),
+        "adaptive": selfspec.DraftPlan(layers=[0, 2, 4], draft_length=6, adaptive=True, threshold=0.4, policy="fixed"),
+        "plain": selfspec.DraftPlan.plain(),
+    }
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_static_step_equals_generate_for_every_plan_kind(arch, tmp_path):
+    model = model_for(arch)
+    for i, (name, plan) in enumerate(plan_kinds(model, tmp_path).items()):
+        for length, new in ((3, 40), (70, 30)):  # under and over a bucket and the span step
+            prompt = random_prompt(length, seed=i)
+            ref = model.generate(prompt, do_sample=False, max_new_tokens=new)
+            spec = selfspec.wrap(model, plan=plan, step="static", costs="flat")
+            assert_same(spec.generate(prompt, max_new_tokens=new), ref, f"{name}, prompt {length}")
+            assert spec.last_stats.step == "static"
+            if plan.drafts and plan.layers != (1, 4):
+                assert spec.last_stats.drafted > 0
+
+
+def test_static_step_drafts_and_emits_as_the_eager_step():
+    """Same plan, fixed k: the rounds are the same, so the counts are too."""
+    model = model_for("llama")
+    plan = selfspec.DraftPlan(exit_layer=3, draft_length=4, policy="fixed")
+    prompt = random_prompt(12, seed=3)
+    stats = {}
+    for step in ("eager", "static"):
+        spec = selfspec.wrap(model, plan=plan, step=step)
+        spec.generate(prompt, max_new_tokens=50)
+        stats[step] = spec.last_stats
+    for field in ("new_tokens", "rounds", "drafted", "accepted", "accepted_lengths", "drafted_lengths"):
+        assert getattr(stats["static"], field) == getattr(stats["eager"], field), field
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gpt2"])
+def test_processors_and_stopping_criteria_on_the_static_step(arch):
+    model = model_for(arch)
+    prompt = random_prompt(9, seed=5)
+    plan = selfspec.DraftPlan(exit_layer=3, draft_length=5, policy="fixed", ngram=2)
+    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)])
+    ref = model.generate(prompt, do_sample=False, max_new_tokens=40, logits_processor=processors)
+    spec = selfspec.wrap(model, plan=plan, step="static")
+    assert_same(spec.generate(prompt, max_new_tokens=40, logits_processor=processors), ref, plan)
+
+    stop_at = int(ref[0, prompt.shape[1] + 17])
+
+    class StopAt(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == stop_at
+
+    criteria = StoppingCriteriaList([StopAt()])
+    ref_stop = model.generate(prompt, do_sample=False, max_new_tokens=40, stopping_criteria=criteria,
+                              logits_processor=processors)
+    out = spec.generate(prompt, max_new_tokens=40, stopping_criteria=criteria, logits_processor=processors)
+    assert_same(out, ref_stop, plan)
+
+
+class ReadCounter:
+    """Counts reads from a tensor to the host (`tolist`, `item`, `int()`, `float()`, `bool()`)."""
+
+    METHODS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
+
+    def __init__(self, monkeypatch) -> None:
+        self.count = 0
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self.counting(original))
+
+    def counting(self, original):
+        def read(tensor, *args, **kwargs):
+            self.count += 1
+            return original(tensor, *args, **kwargs)
+
+        return read
+
+
+@pytest.mark.parametrize("plan", [
+    selfspec.DraftPlan(exit_layer=3, draft_length=4, policy="fixed"),
+    selfspec.DraftPlan(exit_layer=3, draft_length=4),  # the cost policy, with confidences to learn from
+    selfspec.DraftPlan(layers=[0, 1, 4], draft_length=5, policy="fixed", ngram=2),
+], ids=["fixed", "cost", "ngram"])
+def test_one_read_back_per_round(monkeypatch, plan):
+    model = model_for("llama")
+    prompt = random_prompt(10, seed=2)
+    spec = selfspec.wrap(model, plan=plan, step="static", costs="flat")
+    spec.generate(prompt, max_new_tokens=5)  # wrapping and settings read a few things once; count a longer run
+    counter = ReadCounter(monkeypatch)
+    spec.generate(prompt, max_new_tokens=40)
+    reads = counter.count
+    monkeypatch.undo()
+    rounds = spec.last_stats.rounds
+    assert rounds > 5 and spec.last_stats.drafted > 0
+    setup = 6  # the prompt, the settings, the prefill's first token
+    assert reads <= rounds + setup, f"{reads} reads back for {rounds} rounds"
+
+
+def test_eager_step_reads_back_per_drafted_token(monkeypatch):
+    """The counter above can fail: the eager step reads each drafted token back."""
+    model = model_for("llama")
+    prompt = random_prompt(10, seed=2)
+    spec = selfspec.wrap(model, plan=selfspec.DraftPlan(exit_layer=3, draft_length=4, policy="fixed"), step="eager")
+    spec.generate(prompt, max_new_tokens=5)
+    counter = ReadCounter(monkeypatch)
+    spec.generate(prompt, max_new_tokens=40)
+    reads = counter.count
+    monkeypatch.undo()
+    assert reads > spec.last_stats.rounds + spec.last_stats.drafted
+
+
+def test_buckets():
+    assert [bucket(q, 16) for q in (1, 2, 3, 4, 5, 8, 9, 16, 17, 40)] == [1, 2, 4, 4, 8, 8, 16, 16, 17, 40]
+    assert largest_bucket(5) == 16 and largest_bucket(17) == 32
+
+
+def test_padded_pass_writes_past_the_valid_length_and_keeps_lengths():
+    model = model_for("llama")
+    spec = selfspec.wrap(model, plan=selfspec.DraftPlan.plain())
+    runner = StaticRunner(spec.parts, capacity=40, max_width=5)
+    hidden = runner.run(runner.embed(list(range(10)), 0), range(6), 0)  # [1, 10, hidden], bucket 16
+    assert hidden.shape[1] == 10
+    assert runner.cache.lengths[:6] == [10] * 6
+    out = runner.run(runner.embed([3, 4, 5], 10), range(6), 10)  # bucket 4
+    assert out.shape[1] == 3 and runner.cache.lengths[0] == 13
+    with pytest.raises(RuntimeError, match="overflow"):
+        runner.run(runner.embed(list(range(30)), 13), range(6), 13)
+
+
+def test_step_errors():
+    model = model_for("llama")
+    with pytest.raises(ValueError, match=r"step='fast' is not a way to run a pass \(valid: 'auto', 'eager'"):
+        selfspec.wrap(model, step="fast")
+    with pytest.raises(ValueError, match="step='graphs' needs the model on a CUDA device; it is on cpu"):
+        selfspec.wrap(model, step="graphs")
+    assert selfspec.wrap(model).step == "eager"  # auto on a CPU
+
+
+def test_static_costs_are_measured_on_the_static_step():
+    model = model_for("qwen2")
+    spec = selfspec.wrap(model, plan=selfspec.DraftPlan(exit_layer=2, draft_length=6), step="static")
+    costs = spec.measure_costs(cached=False, repeats=1)
+    assert len(costs.verify) == 7 and costs.draft_step > 0
+    assert spec._costs_key() != selfspec.wrap(model, plan=spec.plan, step="eager")._costs_key()
+    spec.generate(random_prompt(8), max_new_tokens=20)
+    assert spec.last_stats.costs and spec.last_stats.step == "static"
+    assert "step: static" in str(spec.last_stats)
