@@ -9,11 +9,19 @@ does) with what it knows about its own passes (`PassCounts`).
   first E layers as the assistant (`assistant_early_exit=E`).
 - `hf-prompt-lookup`: Hugging Face prompt lookup decoding
   (`prompt_lookup_num_tokens=n`), which drafts by copying n-grams of the context.
+- `hf-static-compile`: `model.generate` with a static cache (one
+  `StaticCache` of fixed length per model, reset per call, so one compile
+  serves every prompt) and a compiled forward (`torch.compile`, mode
+  "reduce-overhead": CUDA graphs on a GPU). Its compile time is the warm-up's,
+  reported apart by the harness.
 - `selfspec-plain`: selfspec's own loop with drafting off (`DraftPlan.plain()`).
 - `selfspec-plan`: selfspec with the plan given (`--plan`) or the adapter's plan.
 - `selfspec-fixed`: the same plan with `policy="fixed"`: its own draft-length
   rule (fixed k, or the adaptive confidence threshold) without the cost model,
   which is what selfspec did before it measured costs.
+- `selfspec-plain-fast`, `selfspec-plan-fast`: the same two on the fast step,
+  `step="graphs"` on CUDA, `step="static"` elsewhere; the three above run
+  `step="eager"`.
 
 Hugging Face does not report passes for assisted generation. For the `hf-*`
 methods we count the full forward passes by a forward hook on the last decoder
@@ -44,7 +52,12 @@ ALL_METHODS = (
     "selfspec-plain",
     "selfspec-plan",
     "selfspec-fixed",
+    "hf-static-compile",
+    "selfspec-plain-fast",
+    "selfspec-plan-fast",
 )
+FAST_METHODS = ("hf-static-compile", "selfspec-plain-fast", "selfspec-plan-fast")  # by default on CUDA only
+STATIC_CACHE_LENGTH = 2048  # positions of hf-static-compile's one cache: prompt + new tokens must fit
 
 
 @dataclass
@@ -121,8 +134,41 @@ def hf_method(name: str, description: str, model, *, max_new_tokens: int, **gene
     return Method(name, description, run, settings=dict(generate_options))
 
 
-def selfspec_method(name: str, description: str, model, plan: DraftPlan, *, max_new_tokens: int, costs=None) -> Method:
-    spec = selfspec.wrap(model, plan=plan, costs=costs)
+_STATIC_CACHES: dict[int, object] = {}  # by id(model): hf-static-compile's one cache (the compiled graph keeps its shape)
+
+
+def hf_static_compile_method(model, *, max_new_tokens: int) -> Method:
+    """`model.generate` on one fixed-length `StaticCache`, reset per call, with a compiled forward."""
+    from transformers import CompileConfig, StaticCache
+
+    if id(model) not in _STATIC_CACHES:
+        _STATIC_CACHES[id(model)] = StaticCache(config=model.config, max_cache_len=STATIC_CACHE_LENGTH)
+    cache = _STATIC_CACHES[id(model)]
+    # transformers compiles only on accelerators unless told to compile on every device.
+    compile_config = CompileConfig(fullgraph=False)
+    compile_config._compile_all_devices = True
+    method = hf_method("hf-static-compile", f"model.generate, StaticCache({STATIC_CACHE_LENGTH}) + torch.compile "
+                       "(reduce-overhead)", model, max_new_tokens=max_new_tokens, cache=cache,
+                       compile_config=compile_config)
+    inner = method.run
+
+    def run(input_ids: torch.Tensor) -> tuple[torch.Tensor, PassCounts]:
+        cache.reset()
+        return inner(input_ids)
+
+    method.run = run
+    method.settings = {"cache": f"StaticCache(max_cache_len={STATIC_CACHE_LENGTH})", "compile": "reduce-overhead"}
+    return method
+
+
+def fast_step(model) -> str:
+    """The step the `-fast` methods run: CUDA graphs on a GPU, the static step elsewhere."""
+    return "graphs" if next(model.parameters()).device.type == "cuda" else "static"
+
+
+def selfspec_method(name: str, description: str, model, plan: DraftPlan, *, max_new_tokens: int, costs=None,
+                    step: str = "eager") -> Method:
+    spec = selfspec.wrap(model, plan=plan, costs=costs, step=step)
 
     def run(input_ids: torch.Tensor) -> tuple[torch.Tensor, PassCounts]:
         out = spec.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
@@ -130,7 +176,7 @@ def selfspec_method(name: str, description: str, model, plan: DraftPlan, *, max_
         counts = PassCounts(stats.verify_passes, stats.drafted, stats.accepted, stats.as_dict())
         return out, counts
 
-    settings = {"plan": plan.to_dict(), "describe": spec.describe_plan()}
+    settings = {"plan": plan.to_dict(), "describe": spec.describe_plan(), "step": step}
     if plan.drafts and plan.policy == "cost":
         settings["costs"] = spec.costs.summary()
     return Method(name, description, run, settings=settings)
@@ -158,8 +204,18 @@ def build_method(
             max_new_tokens=max_new_tokens,
             prompt_lookup_num_tokens=prompt_lookup,
         )
+    if name == "hf-static-compile":
+        return hf_static_compile_method(model, max_new_tokens=max_new_tokens)
     if name == "selfspec-plain":
         return selfspec_method(name, "selfspec, no drafting", model, DraftPlan.plain(), max_new_tokens=max_new_tokens)
+    if name == "selfspec-plain-fast":
+        step = fast_step(model)
+        return selfspec_method(name, f"selfspec, no drafting, step={step}", model, DraftPlan.plain(),
+                               max_new_tokens=max_new_tokens, step=step)
+    if name == "selfspec-plan-fast":
+        step = fast_step(model)
+        return selfspec_method(name, f"selfspec, plan {plan.name or '(unnamed)'}, policy {plan.policy}, step={step}",
+                               model, plan, max_new_tokens=max_new_tokens, costs=costs, step=step)
     if name in ("selfspec-plan", "selfspec-fixed"):
         variant = plan if name == "selfspec-plan" else dataclasses.replace(plan, policy="fixed")
         return selfspec_method(
@@ -169,10 +225,16 @@ def build_method(
     raise ValueError(f"unknown method {name!r}; valid: {', '.join(ALL_METHODS)}")
 
 
-def default_methods(plan: DraftPlan | None) -> list[str]:
-    """Every method that makes sense for this plan (`selfspec-fixed` only where the plan chooses k by cost)."""
+def default_methods(plan: DraftPlan | None, device: str = "cpu") -> list[str]:
+    """Every method that makes sense for this plan and device.
+
+    `selfspec-fixed` only where the plan chooses k by cost; the fast-step
+    methods on CUDA only (on a CPU, compiling takes minutes and the static
+    step is a GPU's path: ask for them with --methods).
+    """
     with_fixed = plan is not None and plan.drafts and plan.policy == "cost"
-    return [m for m in ALL_METHODS if m != "selfspec-fixed" or with_fixed]
+    return [m for m in ALL_METHODS
+            if (m != "selfspec-fixed" or with_fixed) and (m not in FAST_METHODS or device.startswith("cuda"))]
 
 
 def early_exit_candidates(layers: int) -> list[int]:

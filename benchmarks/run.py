@@ -171,7 +171,7 @@ def method_names(args: argparse.Namespace, plan) -> list[str]:
     if args.methods:
         names = [n.strip() for n in args.methods.split(",") if n.strip()]
     else:
-        names = default_methods(plan)
+        names = default_methods(plan, args.device)
     unknown = [n for n in names if n not in ALL_METHODS]
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; valid: {', '.join(ALL_METHODS)}")
@@ -214,7 +214,8 @@ def build_methods(names, model, args, plan, exit_layer, prompts, device) -> tupl
             failed[name] = f"{type(error).__name__}: {error}"
             continue
         warm = measure(warm_up, warm_prompt, device)
-        print(f"warm-up {name}: {warm.error or 'ok'}", flush=True)
+        print(f"warm-up {name}: {warm.error or 'ok'} ({warm.seconds:.1f} s)", flush=True)
+        method.settings["warm_up_seconds"] = round(warm.seconds, 2)  # compile and capture time show here
         if warm.error:
             failed[name] = warm.error
         else:

@@ -49,7 +49,6 @@ from .static_loop import run_static_rounds
 from .stats import GenerationStats
 from .vocab import DraftVocab, load_vocab
 
-
 STEPS = ("auto", "eager", "static", "graphs")
 GRAPH_CAPACITY_STEP = 256  # a kept graphed runner's capacity is a multiple of this
 

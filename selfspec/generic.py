@@ -121,9 +121,9 @@ def _self_check(model: nn.Module, adapter: Adapter) -> SelfCheck:
     policy.begin_round(k)
     draft = drafter.propose(runner, _Greedy(), tokens, policy)
     # The verify pass, as the engine runs it: it resumes after layer 0 from the draft's saved states.
-    verify = passes.verify(runner, tokens[-1], draft, start).logits  # [k+1, vocab]
-
     ids = torch.tensor([tokens + draft.tokens], device=device)
+    verify = passes.verify(runner, ids[:, start:], draft.boundary, start).logits  # [k+1, vocab]
+
     reference = model(input_ids=ids, use_cache=False).logits[0].float()  # [P+1+k, vocab]
     ours = torch.cat([prefill, verify])
     expected = torch.cat([reference[: len(prompt)], reference[start:]])
