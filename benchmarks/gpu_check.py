@@ -1,16 +1,34 @@
-"""CUDA check: losslessness on a GPU, and what a draft and a verify pass cost there.
+"""GPU check: losslessness on CUDA, the static step's graphs, what passes cost there, and a projection.
 
-    python -m benchmarks.gpu_check            # needs a CUDA device; about two minutes
+    python -m benchmarks.gpu_check            # needs a CUDA device; about five minutes
+    SELFSPEC_CHECK_DEVICE=cpu python -m benchmarks.gpu_check --quick   # a dry run of the script here
+
+On the lent GPU machine (its image has transformers 5.17; selfspec is tested
+with 5.24), carry the wheel: here, once, `python -m pip download --no-deps
+--only-binary=:all: --python-version 3.12 -d .whl transformers==5.24.0`
+(`.whl/` ignored in `.git/info/exclude`), then run with carry [".whl"]:
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+    PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_check
 
 1. Greedy equality with `model.generate` on CUDA, for every tiny architecture
-   of the test suite, in float64 (exact) and float32 (first difference
-   reported with the target's top-2 gap), over plans with layer subsets, early
-   exits, an exit head, a draft vocabulary and n-gram proposals.
-2. Seeded sampling on CUDA runs and reproduces (a CUDA generator).
-3. Costs at SmolLM2-135M's shape (random weights: acceptance means nothing
-   here, costs do), bfloat16: `model.generate` against selfspec's plain path
-   (tokens/s over 128 tokens), and one layer, the LM head and a verify pass
-   over k+1 tokens in units of one plain step (CUDA-synchronised medians).
+   of the test suite, eager and on the fast step (`step="graphs"`), in float64
+   (exact) and float32 (first difference reported with the target's top-2
+   gap), over plans with layer subsets, early exits, an exit head, a draft
+   vocabulary and n-gram proposals.
+2. Seeded sampling on CUDA runs and reproduces (a CUDA generator), on both steps.
+3. A model with layers on two devices (accelerate's `device_map`, half the
+   layers in CPU memory) runs eagerly and equals `model.generate`.
+4. Costs at SmolLM2-135M's and Gemma 3 270M's shapes (random weights:
+   acceptance means nothing here, costs do), bfloat16, 128-token prompt, 128
+   new tokens: `model.generate`, HF static cache + `torch.compile` (its compile
+   time apart), selfspec's plain path eager and on graphs (tokens/s); then, on
+   the graphed runner, a draft step through m layers and a verify pass over q
+   tokens in units of one plain step, against the issue's targets.
+5. A PROJECTION: the speed each plan of `benchmarks/data/acceptance_*.json`
+   (round outcomes measured on a CPU with the real checkpoint, by
+   `benchmarks.acceptance_profile`) would reach with the GPU costs of 4,
+   its draft length chosen for those costs, against HF static + compile.
 
 The real checkpoints cannot travel to the GPU machine (size), so this script
 builds everything from configs. It prints; it writes nothing.
@@ -18,7 +36,9 @@ builds everything from configs. It prints; it writes nothing.
 
 from __future__ import annotations
 
+import argparse
 import copy
+import json
 import os
 import statistics
 import tempfile
@@ -29,10 +49,13 @@ import torch
 import transformers
 
 import selfspec
-from selfspec.runner import LayerRunner
+from selfspec.static import GraphedRunner, StaticRunner
 from selfspec.testing import TINY_CONFIGS, make_head, make_vocab, random_prompt, tiny_model
 
 DEVICE = torch.device(os.environ.get("SELFSPEC_CHECK_DEVICE", "cuda"))  # "cpu" for a dry run
+FAST = "graphs" if DEVICE.type == "cuda" else "static"  # the step a GPU user gets by default
+DATA = Path(__file__).parent / "data"
+PROMPT, NEW = 128, 128
 
 
 def plans(folder: Path, model) -> list[selfspec.DraftPlan]:
@@ -49,45 +72,91 @@ def plans(folder: Path, model) -> list[selfspec.DraftPlan]:
     ]
 
 
-def check_greedy() -> bool:
+def first_difference(model, out, ref, prompt_length) -> str:
+    n = min(out.shape[1], ref.shape[1])
+    first = next(j for j in range(prompt_length, n) if out[0, j] != ref[0, j])
+    with torch.no_grad():
+        top2 = model(ref[:, :first]).logits[0, -1].float().topk(2).values
+    return f"differs at {first - prompt_length} (top-2 gap {float(top2[0] - top2[1]):.1e})"
+
+
+def check_greedy(archs) -> bool:
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in (torch.float64, torch.float32):
-            for arch in sorted(TINY_CONFIGS):
+            for arch in archs:
                 model = copy.deepcopy(tiny_model(arch, dtype)).to(DEVICE)  # a copy: the cached CPU model stays
-                same = total = 0
-                notes = []
-                for i, plan in enumerate(plans(Path(tmp), model)):
-                    prompt = random_prompt(5 + 4 * i, seed=i).to(DEVICE)
-                    with torch.no_grad():
-                        ref = model.generate(prompt, do_sample=False, max_new_tokens=30)
-                    out = selfspec.wrap(model, plan=plan).generate(prompt, max_new_tokens=30)
-                    total += 1
-                    if torch.equal(out, ref):
-                        same += 1
-                        continue
-                    n = min(out.shape[1], ref.shape[1])
-                    first = next(j for j in range(prompt.shape[1], n) if out[0, j] != ref[0, j])
-                    with torch.no_grad():
-                        top2 = model(ref[:, :first]).logits[0, -1].float().topk(2).values
-                    notes.append(f"plan {i} differs at {first - prompt.shape[1]} (top-2 gap {float(top2[0] - top2[1]):.1e})")
-                exact = dtype == torch.float64
-                ok &= same == total or not exact
-                print(f"greedy {str(dtype):14s} {arch:12s} {same}/{total} identical {'; '.join(notes)}", flush=True)
+                for step in ("eager", FAST):
+                    same = total = 0
+                    notes = []
+                    for i, plan in enumerate(plans(Path(tmp), model)):
+                        prompt = random_prompt(5 + 4 * i, seed=i).to(DEVICE)
+                        with torch.no_grad():
+                            ref = model.generate(prompt, do_sample=False, max_new_tokens=30)
+                        spec = selfspec.wrap(model, plan=plan, step=step)
+                        try:
+                            out = spec.generate(prompt, max_new_tokens=30)
+                        except Exception as error:  # report, go on: one failure must not hide the rest
+                            notes.append(f"plan {i} raised {type(error).__name__}: {error}")
+                            total += 1
+                            continue
+                        total += 1
+                        if torch.equal(out, ref):
+                            same += 1
+                        else:
+                            notes.append(f"plan {i} " + first_difference(model, out, ref, prompt.shape[1]))
+                    exact = dtype == torch.float64
+                    ok &= same == total or not exact
+                    how = spec.last_stats.step if spec.last_stats else step
+                    print(f"greedy {str(dtype):14s} {arch:12s} {step:7s} {same}/{total} identical ({how}) "
+                          f"{'; '.join(notes)}", flush=True)
     return ok
 
 
 def check_sampling() -> bool:
     model = copy.deepcopy(tiny_model("llama", torch.float32)).to(DEVICE)
+    ok = True
     with tempfile.TemporaryDirectory() as tmp:
         plan = plans(Path(tmp), model)[3]
-        spec = selfspec.wrap(model, plan=plan)
-        prompt = random_prompt(9).to(DEVICE)
-        runs = [spec.generate(prompt, max_new_tokens=24, do_sample=True, temperature=0.8, top_p=0.9,
-                              generator=torch.Generator(DEVICE).manual_seed(7)) for _ in range(2)]
-    same = torch.equal(*runs)
-    print(f"sampling on CUDA with a head, a vocabulary and n-grams: ran, seeded runs identical: {same}; "
-          f"{spec.last_stats.drafted} drafted, {spec.last_stats.accepted} accepted", flush=True)
+        for step in ("eager", FAST):
+            spec = selfspec.wrap(model, plan=plan, step=step)
+            prompt = random_prompt(9).to(DEVICE)
+            runs = [spec.generate(prompt, max_new_tokens=24, do_sample=True, temperature=0.8, top_p=0.9,
+                                  generator=torch.Generator(DEVICE).manual_seed(7)) for _ in range(2)]
+            same = torch.equal(*runs)
+            ok &= same
+            print(f"sampling ({step}) with a head, a vocabulary and n-grams: ran, seeded runs identical: {same}; "
+                  f"{spec.last_stats.drafted} drafted, {spec.last_stats.accepted} accepted", flush=True)
+    return ok
+
+
+def check_offload() -> bool | None:
+    """Half the layers in CPU memory (accelerate's hooks move activations): eager selfspec equals generate."""
+    if DEVICE.type != "cuda":
+        print("offload: skipped (no CUDA device)")
+        return None
+    try:
+        from accelerate import dispatch_model
+    except ImportError:
+        print("offload: skipped (accelerate is not installed)")
+        return None
+    model = copy.deepcopy(tiny_model("llama", torch.float64))
+    layers = model.config.num_hidden_layers
+    device_map = {"model.embed_tokens": 0, "model.norm": 0, "model.rotary_emb": 0, "lm_head": 0}
+    device_map.update({f"model.layers.{i}": 0 if i < layers // 2 else "cpu" for i in range(layers)})
+    try:
+        model = dispatch_model(model, device_map=device_map)
+        prompt = random_prompt(11, seed=3).to(DEVICE)
+        with torch.no_grad():
+            ref = model.generate(prompt, do_sample=False, max_new_tokens=30)
+        plan = selfspec.DraftPlan(exit_layer=layers // 2, draft_length=4, policy="fixed")
+        out = selfspec.wrap(model, plan=plan, step="eager").generate(prompt, max_new_tokens=30)
+    except Exception as error:
+        print(f"offload: raised {type(error).__name__}: {error}")
+        return False
+    same = torch.equal(out, ref)
+    print(f"offload: layers {layers // 2}..{layers - 1} in CPU memory, draft = the resident layers: "
+          f"identical to generate: {same}", flush=True)
     return same
 
 
@@ -109,50 +178,184 @@ def sync_time(fn, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
-@torch.no_grad()
-def costs() -> None:
-    config = transformers.LlamaConfig(
+def smollm2_shape():
+    return transformers.LlamaConfig(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
         num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
     )
+
+
+def gemma3_270m_shape():
+    return transformers.Gemma3TextConfig(
+        vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, max_position_embeddings=32768, sliding_window=512,
+        rope_theta=1000000.0, query_pre_attn_scalar=256, tie_word_embeddings=True,
+    )
+
+
+SHAPES = {"SmolLM2-135M": (smollm2_shape, transformers.LlamaForCausalLM),
+          "Gemma 3 270M": (gemma3_270m_shape, transformers.Gemma3ForCausalLM)}
+
+
+def hf_static_compile(model, prompt) -> tuple[float, float]:
+    """(compile seconds, seconds per 128-token generation) for model.generate on a StaticCache, compiled."""
+    cache = transformers.StaticCache(config=model.config, max_cache_len=PROMPT + NEW + 16)
+    config = transformers.CompileConfig()
+    config._compile_all_devices = True  # on a CPU dry run too
+
+    def run():
+        cache.reset()
+        model.generate(prompt, do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW, cache=cache,
+                       compile_config=config)
+
+    began = time.perf_counter()
+    run()
+    sync()
+    first = time.perf_counter() - began
+    steady = sync_time(run, 3)
+    return max(0.0, first - steady), steady
+
+
+@torch.no_grad()
+def costs(name: str, quick: bool) -> dict:
+    make_config, model_class = SHAPES[name]
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(DEVICE, torch.bfloat16).eval()
+    model = model_class(make_config()).to(DEVICE, torch.bfloat16).eval()
     model.generation_config.eos_token_id = None
-    prompt = torch.randint(0, 49152, (1, 256), device=DEVICE)
-    hf = sync_time(lambda: model.generate(prompt, do_sample=False, max_new_tokens=128, min_new_tokens=128), 5)
-    plain = selfspec.wrap(model, plan=selfspec.DraftPlan.plain())
-    ours = sync_time(lambda: plain.generate(prompt, max_new_tokens=128), 5)
-    print(f"SmolLM2 shape, bf16, 256-token prompt, 128 new tokens: model.generate {128 / hf:.1f} tok/s, "
-          f"selfspec plain path {128 / ours:.1f} tok/s ({hf / ours:.2f}x)", flush=True)
+    layers = model.config.num_hidden_layers
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (1, PROMPT), device=DEVICE)
+    repeats = 2 if quick else 5
+    result = {}
+    result["model.generate"] = sync_time(lambda: model.generate(prompt, do_sample=False, max_new_tokens=NEW,
+                                                               min_new_tokens=NEW), repeats)
+    if not quick:
+        try:
+            compile_seconds, result["HF static+compile"] = hf_static_compile(model, prompt)
+            print(f"{name}: HF static+compile compiled in {compile_seconds:.1f} s", flush=True)
+        except Exception as error:
+            print(f"{name}: HF static+compile failed: {type(error).__name__}: {error}", flush=True)
+    for step in ("eager", FAST):
+        plain = selfspec.wrap(model, plan=selfspec.DraftPlan.plain(), step=step)
+        result[f"selfspec plain {step}"] = sync_time(lambda: plain.generate(prompt, max_new_tokens=NEW), repeats)
+        if plain.last_stats.step.startswith("CUDA") or step != "eager":
+            print(f"{name}: selfspec plain {step}: {plain.last_stats.step}", flush=True)
+    hf = result["model.generate"]
+    print(f"{name}, bf16, {PROMPT}-token prompt, {NEW} new tokens (tok/s; x model.generate): " + ", ".join(
+        f"{k} {NEW / v:.1f} ({hf / v:.2f}x)" for k, v in result.items()), flush=True)
 
+    # Passes on the fast runner, in plain steps.
     parts = selfspec.wrap(model, plan=selfspec.DraftPlan.plain()).parts
-    runner = LayerRunner(parts, capacity=300, device=DEVICE)
-    runner.run(runner.embed(prompt[0].tolist(), 0), range(30), 0)
-    start = 256
+    runner_class = GraphedRunner if FAST == "graphs" else StaticRunner
+    runner = runner_class(parts, capacity=PROMPT + 64, max_width=17)
+    runner.run(runner.embed(prompt[0].tolist(), 0), range(layers), 0)
+    token = prompt[:, :1]
 
-    def step(q: int, layers) -> None:
-        runner.cache.crop(start)
-        runner.logits(runner.run(runner.embed([1] * q, start), layers, start)).argmax(-1).tolist()
+    def step(q: int, depth: int) -> None:
+        runner.cache.crop(PROMPT)
+        ids = token.expand(1, q)
+        hidden = runner.run(runner.embed(ids, PROMPT), range(depth), PROMPT)
+        runner.logits(hidden).argmax(-1)
 
-    one = sync_time(lambda: step(1, range(30)))
-    layer = (sync_time(lambda: step(1, range(10))) - sync_time(lambda: step(1, range(0)))) / 10
-    head = sync_time(lambda: step(1, range(0)))
-    verify = {q - 1: sync_time(lambda q=q: step(q, range(30))) / one for q in (2, 3, 5, 9, 17)}
-    print(f"plain step {one * 1e3:.2f} ms; in plain steps: one layer {layer / one:.3f}, embed + LM head + argmax "
-          f"{head / one:.3f}; verify over k+1 tokens: " + ", ".join(f"k={k}: {v:.2f}" for k, v in verify.items()))
+    one = sync_time(lambda: step(1, layers))
+    depths = sorted({1, layers // 4, layers // 2, (3 * layers) // 4, layers - 1})
+    draft = {m: sync_time(lambda m=m: step(1, m)) / one for m in depths}
+    verify = {q: sync_time(lambda q=q: step(q, layers)) / one for q in (2, 4, 8, 16)}
+    print(f"{name}: plain step {one * 1e3:.3f} ms on the {FAST} runner; draft step through m of {layers} layers "
+          "(target <= m/L + 0.1): " + ", ".join(f"m={m}: {c:.2f} ({m / layers + 0.1:.2f})" for m, c in draft.items()),
+          flush=True)
+    print(f"{name}: verify pass over q tokens (target <= 1.30 for q <= 16): "
+          + ", ".join(f"q={q}: {c:.2f}" for q, c in verify.items()), flush=True)
+    best = result.get("HF static+compile")
+    fast = result[f"selfspec plain {FAST}"]
+    print(f"{name} TARGETS: plain {FAST} {hf / fast:.2f}x model.generate (target >= 5), "
+          + (f"{best / fast:.2f}x HF static+compile (target >= 1); " if best else "")
+          + f"draft steps within m/L + 0.1: {all(c <= m / layers + 0.1 for m, c in draft.items())}; "
+          f"verify <= 1.3: {all(c <= 1.3 for c in verify.values())}", flush=True)
+    runner = None
+    return {"layers": layers, "step": one, "draft": draft, "verify": verify, "per_token": {
+        k: v / NEW for k, v in result.items()}}
+
+
+def interpolate(points: dict[int, float], x: int) -> float:
+    """Linear between measured points (constant beyond them)."""
+    keys = sorted(points)
+    if x <= keys[0]:
+        return points[keys[0]] * (x / keys[0] if keys[0] else 1.0)
+    for lo, hi in zip(keys, keys[1:]):
+        if x <= hi:
+            return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
+    return points[keys[-1]]
+
+
+def verify_cost(verify: dict[int, float], width: int) -> float:
+    """A verify pass over `width` tokens runs at its bucket (a power of two)."""
+    if width <= 1:
+        return 1.0
+    bucket = 1 << (width - 1).bit_length()
+    return verify.get(bucket, max(verify.values()))
+
+
+def projection(measured: dict) -> None:
+    """Speed per plan from CPU-measured round outcomes and these GPU costs (labelled: a projection)."""
+    profile = DATA / "acceptance_smollm2.json"
+    if not profile.is_file() or "SmolLM2-135M" not in measured:
+        print(f"PROJECTION: skipped ({profile} or the SmolLM2 timings missing)")
+        return
+    data = json.loads(profile.read_text())
+    gpu = measured["SmolLM2-135M"]
+    per_token = gpu["per_token"]
+    baseline = per_token.get("HF static+compile", per_token["model.generate"])
+    baseline_name = "HF static+compile" if "HF static+compile" in per_token else "model.generate"
+    plain = per_token[f"selfspec plain {FAST}"]
+    print(f"PROJECTION (not a measurement): SmolLM2-135M bf16 on this GPU, acceptance from {data['command']} "
+          f"({data['prompts']}), pass costs from the timings above; against {baseline_name}.")
+    for name, entry in data["plans"].items():
+        rounds = [(outcome.split()[0], int(outcome.split()[1]), int(outcome.split()[2]), count)
+                  for outcome, count in entry["outcomes"].items()]
+        draft_step = interpolate(gpu["draft"], entry["draft_layers"]) if entry["draft_layers"] else 0.0
+        best = None
+        for k in range(0, max(r[1] for r in rounds) + 1):  # the draft length these costs favour
+            tokens = seconds = 0.0
+            for source, drafted, accepted, count in rounds:
+                used = min(drafted, k)
+                tokens += count * (min(accepted, used) + 1)
+                drafting = 0.0 if source == "ngram" else used * draft_step
+                seconds += count * (drafting + verify_cost(gpu["verify"], used + 1)) * gpu["step"]
+            speed = tokens / seconds
+            if best is None or speed > best[1]:
+                best = (k, speed, tokens / sum(r[3] for r in rounds))
+        k, speed, per_pass = best
+        print(f"PROJECTION {name}: k={k}, {per_pass:.2f} tokens per pass, {speed * baseline:.2f}x {baseline_name}, "
+              f"{speed * plain:.2f}x selfspec plain {FAST} (target for the default plan: >= 2x HF static+compile)",
+              flush=True)
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description="GPU checks and timings (see the module docstring)")
+    parser.add_argument("--quick", action="store_true", help="two architectures, one shape, no compile: a dry run")
+    args = parser.parse_args()
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device")
         return 2
+    began = time.perf_counter()
     name = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (dry run)"
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {name}")
-    greedy = check_greedy()
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {name}, fast step: {FAST}")
+    archs = ["llama", "gemma3_text"] if args.quick else sorted(TINY_CONFIGS)
+    greedy = check_greedy(archs)
     sampling = check_sampling()
-    costs()
-    print(f"RESULT: float64 greedy exact on CUDA: {greedy}; seeded sampling reproduces: {sampling}")
-    return 0 if greedy and sampling else 1
+    offload = check_offload()
+    print(f"checks done in {time.perf_counter() - began:.0f} s", flush=True)
+    measured = {}
+    for shape in (["SmolLM2-135M"] if args.quick else SHAPES):
+        try:
+            measured[shape] = costs(shape, args.quick)
+        except Exception as error:
+            print(f"{shape}: timing raised {type(error).__name__}: {error}", flush=True)
+    projection(measured)
+    print(f"RESULT: float64 greedy exact on {DEVICE.type} (eager and {FAST}): {greedy}; seeded sampling reproduces: "
+          f"{sampling}; offloaded layers identical: {offload}; {time.perf_counter() - began:.0f} s")
+    return 0 if greedy and sampling and offload is not False else 1
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ class GenerationStats:
     policy: str = ""  # the draft-length policy and what it learned
     costs: str = ""  # the cost table the policy decided with (cost policy only)
     drafted_lengths: list[int] = field(default_factory=list)  # drafted_lengths[k]: rounds that drafted k tokens
+    round_outcomes: dict[str, int] = field(default_factory=dict)  # "source k n": rounds that drafted k, accepted n
     final_threshold: float | None = None
     step: str = ""  # how passes ran: "eager", "static", or CUDA graphs (with how many, and their capture time)
     capture_seconds: float = 0.0  # CUDA graph capture in this call (0 once the graphs exist)
@@ -73,6 +74,8 @@ class GenerationStats:
         while len(self.drafted_lengths) <= drafted:
             self.drafted_lengths.append(0)
         self.drafted_lengths[drafted] += 1
+        outcome = f"{source} {drafted} {accepted}"
+        self.round_outcomes[outcome] = self.round_outcomes.get(outcome, 0) + 1
         while len(self.accepted_lengths) <= accepted:
             self.accepted_lengths.append(0)
         self.accepted_lengths[accepted] += 1

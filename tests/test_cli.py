@@ -279,3 +279,16 @@ def test_generate_compare_on_a_tiny_model(tiny_folder, capsys):
     out = capsys.readouterr().out
     assert "model.generate:" in out and "outputs identical: yes" in out
     assert "costs: plain step" in out and "memory: weights" in out
+
+
+def test_generate_on_the_static_step(tiny_folder, capsys):
+    args = ["generate", "--model", str(tiny_folder), "--max-new-tokens", "12", "--step", "static", "--compare", "hi"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "step: static" in out and "outputs identical: yes" in out
+
+
+def test_graphs_step_on_a_cpu_is_a_one_line_error(tiny_folder, capsys):
+    assert main(["generate", "--model", str(tiny_folder), "--step", "graphs", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "step='graphs' needs the model on a CUDA device" in err and len(err.splitlines()) == 1

@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", type=common.existing_file, help="a plan JSON (default: the adapter's plan)")
     parser.add_argument("--dtype", type=dtypes, default=["float32", "bfloat16"],
                         help="comma list of dtypes to measure (default: float32,bfloat16)")
+    parser.add_argument("--step", choices=["auto", "eager", "static", "graphs"], default="auto",
+                        help="how passes run (see selfspec generate --help; default auto)")
     parser.add_argument("--repeats", type=common.integer(1, 50), default=3, help="timed runs per pass (default 3)")
     common.add_runtime_arguments(parser, dtype=None)
 
@@ -46,11 +48,11 @@ def run(args: argparse.Namespace) -> int:
     for dtype in args.dtype:
         model, _ = selfspec.load(args.model, dtype=dtype, device=args.device, verify=args.verify,
                                   quantize=args.quantize)
-        spec = selfspec.wrap(model, plan=args.plan)
+        spec = selfspec.wrap(model, plan=args.plan, step=args.step)
         costs = spec.measure_costs(cached=False, repeats=args.repeats)
         steps[dtype] = costs.step
         print(f"{args.model}, {dtype}, {costs.machine}")
-        print(f"  plan: {spec.describe_plan()}")
+        print(f"  plan: {spec.describe_plan()}; step: {spec.step}")
         print(f"  plain step: {costs.step * 1e3:.2f} ms ({costs.measure_seconds:.2f} s to measure)")
         widths = " ".join(f"{q}:{t / costs.step:.2f}" for q, t in enumerate(costs.verify, start=1))
         print(f"  verify pass over q tokens, in plain steps: {widths}")

@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="nucleus sampling (implies sampling; 0: greedy)")
     parser.add_argument("--seed", type=common.integer(0), default=0, help="seed for sampling")
     common.add_runtime_arguments(parser)
+    parser.add_argument("--step", choices=["auto", "eager", "static", "graphs"], default="auto",
+                        help="how passes run: auto (CUDA graphs on a GPU, eager elsewhere), eager, static "
+                             "(fixed shapes, one read back per round), graphs (static + CUDA graphs; CUDA only)")
     parser.add_argument("--compare", action="store_true",
                         help="also run plain model.generate and compare speed and output")
 
@@ -64,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     model, tokenizer = selfspec.load(args.model, dtype=args.dtype, device=args.device, verify=args.verify,
                                      quantize=args.quantize)
-    spec = selfspec.wrap(model, plan=plan)
+    spec = selfspec.wrap(model, plan=plan, step=args.step)
     print(f"selfspec: loaded in {time.perf_counter() - began:.1f} s; plan: {spec.describe_plan()}", file=sys.stderr,
           flush=True)
 

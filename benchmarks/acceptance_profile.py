@@ -1,0 +1,100 @@
+"""Acceptance of real drafts, measured on a CPU, saved small enough to travel to a GPU machine.
+
+    python -m benchmarks.acceptance_profile            # SmolLM2, one Spec-Bench prompt per category, ~5 min
+
+The real checkpoints cannot travel to the GPU machine, so `gpu_check.py`
+times passes there with random weights and projects a plan's speed from the
+acceptance measured here. For each plan below, greedy generation drafts a
+fixed k every round (no cost policy, no threshold), so every round's outcome
+"source k n" (drafted k, accepted n) is recorded; a shorter draft's outcome
+follows from it (a round that accepted n of k accepts min(n, k') of k' < k).
+
+Acceptance does not depend on the machine (greedy output is the target's),
+only on the model, the dtype and the prompts; timing is not measured here.
+Writes `benchmarks/data/acceptance_<model>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+import selfspec
+
+from .workload import DEFAULT_DATA, build_workload
+
+OUT = Path(__file__).parent / "data"
+
+
+def profile_plans(default: selfspec.DraftPlan, draft_length: int) -> dict[str, selfspec.DraftPlan]:
+    """The adapter's layer set, its n-gram lookup alone, and two early exits; k fixed."""
+    fixed = dict(draft_length=draft_length, adaptive=False, policy="fixed")
+    plans = {"ngram only": selfspec.DraftPlan(ngram=default.ngram or 3, **fixed)}
+    if default.layers is not None:
+        plans["default layers"] = dataclasses.replace(default, ngram=0, name="", **fixed)
+        plans["default (n-grams, then layers)"] = dataclasses.replace(default, name="", **fixed)
+    for exit_layer in (10, 15):
+        plans[f"exit after layer {exit_layer - 1}"] = selfspec.DraftPlan(exit_layer=exit_layer, **fixed)
+    return plans
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2", help="a selfspec.load name (default smollm2)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--per-category", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--draft-length", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tokenizer = selfspec.load(args.model, dtype=getattr(torch, args.dtype))
+    workload = build_workload(tokenizer, data_path=DEFAULT_DATA, per_category=args.per_category, seed=0,
+                              use_chat_template=tokenizer.chat_template is not None)
+    default = selfspec.wrap(model).plan
+    result = {
+        "what": "greedy round outcomes 'source k n' (drafted k, accepted n) per plan, k fixed; CPU-measured",
+        "command": f"python -m benchmarks.acceptance_profile --model {args.model} --dtype {args.dtype} "
+                   f"--per-category {args.per_category} --max-new-tokens {args.max_new_tokens}",
+        "model": args.model,
+        "num_layers": selfspec.wrap(model).parts.num_layers,
+        "dtype": args.dtype,
+        "prompts": workload.source,
+        "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
+        "plans": {},
+    }
+    began = time.perf_counter()
+    for name, plan in profile_plans(default, args.draft_length).items():
+        spec = selfspec.wrap(model, plan=plan)
+        outcomes: dict[str, int] = {}
+        tokens = passes = 0
+        for prompt in workload.prompts:
+            spec.generate(prompt.input_ids, max_new_tokens=args.max_new_tokens)
+            stats = spec.last_stats
+            for outcome, count in stats.round_outcomes.items():
+                outcomes[outcome] = outcomes.get(outcome, 0) + count
+            tokens += stats.new_tokens
+            passes += stats.verify_passes
+        result["plans"][name] = {
+            "plan": plan.to_dict(),
+            "draft_layers": len(plan.draft_layers(result["num_layers"])),
+            "exact_prefix": plan.exact_prefix(result["num_layers"]),
+            "outcomes": outcomes,
+            "tokens_per_pass": round(tokens / passes, 3),
+        }
+        print(f"{name}: {tokens / passes:.2f} tokens per pass ({time.perf_counter() - began:.0f} s)", flush=True)
+    OUT.mkdir(exist_ok=True)
+    path = OUT / f"acceptance_{args.model}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
