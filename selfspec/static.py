@@ -26,6 +26,7 @@ plans, acceptance or the decode loop (`static_loop.py`).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -147,6 +148,40 @@ class CapturedPass:
         return self.output.clone()  # the next replay overwrites the output
 
 
+class CudaGraphBackend:
+    """What `GraphedRunner` asks of CUDA: a side stream to warm up on, a capture, a wait.
+
+    Kept apart so the runner's bookkeeping (which pass is captured, its input
+    buffers, its replays) can be tested on a CPU with a stand-in that runs the
+    recorded function again at each replay.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the model is on {device}")
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()  # one memory pool: the graphs replay one at a time
+
+    @contextlib.contextmanager
+    def warm_up(self):
+        """Run a pass once on a side stream before capturing it, as capture requires."""
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            yield
+        torch.cuda.current_stream(self.device).wait_stream(side)
+
+    def record(self, fn):
+        """(graph, output): `fn`'s kernels captured, not run; `graph.replay()` runs them, writing `output`."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = fn()
+        return graph, output
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
 class GraphedRunner(StaticRunner):
     """A `StaticRunner` that captures each (layer set, width) pass as a CUDA graph on first use.
 
@@ -159,10 +194,8 @@ class GraphedRunner(StaticRunner):
 
     def __init__(self, parts: ModelParts, *, capacity: int, max_width: int, device=None, head=None):
         super().__init__(parts, capacity=capacity, max_width=max_width, device=device, head=head)
-        if self.positions.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device; the model is on {self.positions.device}")
+        self.backend = CudaGraphBackend(self.positions.device)
         self.graphs: dict[tuple, CapturedPass] = {}
-        self.pool = torch.cuda.graph_pool_handle()
         self.capture_seconds = 0.0
         self.graph_error: str | None = None
 
@@ -182,23 +215,22 @@ class GraphedRunner(StaticRunner):
         """Run the pass (its result is this call's), then record it as a graph for the next calls."""
         layers, _ = key
         began = time.perf_counter()
-        static_hidden = hidden.clone()
-        static_start = torch.tensor(start, device=hidden.device)
-        side = torch.cuda.Stream(device=hidden.device)
-        side.wait_stream(torch.cuda.current_stream(hidden.device))
-        with torch.cuda.stream(side):  # warm up on a side stream, as capture requires; this is the real pass
-            result = super().fixed_pass(static_hidden, layers, static_start).clone()
-        torch.cuda.current_stream(hidden.device).wait_stream(side)
+        static_hidden = hidden.clone()  # [1, width, hidden]: the graph's input buffer
+        static_start = torch.tensor(start, device=hidden.device)  # 0-d: the graph's first position
+
+        def run() -> torch.Tensor:
+            return StaticRunner.fixed_pass(self, static_hidden, layers, static_start)
+
+        with self.backend.warm_up():  # the real pass: this call's result
+            result = run().clone()
         try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                output = super().fixed_pass(static_hidden, layers, static_start)
-        except Exception as error:  # an architecture or processor that cannot be captured
+            graph, output = self.backend.record(run)
+        except Exception as error:  # noqa: BLE001 -- an architecture or processor that cannot be captured
             self.graph_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            torch.cuda.synchronize(hidden.device)
+            self.backend.synchronize()
             return result
         self.graphs[key] = CapturedPass(graph, static_hidden, static_start, output)
-        torch.cuda.synchronize(hidden.device)
+        self.backend.synchronize()
         self.capture_seconds += time.perf_counter() - began
         return result
 

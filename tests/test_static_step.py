@@ -15,6 +15,8 @@ too, and `test_sampling.py` runs the sampling statistics on this step.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, StoppingCriteria, StoppingCriteriaList
@@ -189,3 +191,78 @@ def test_static_costs_are_measured_on_the_static_step():
     spec.generate(random_prompt(8), max_new_tokens=20)
     assert spec.last_stats.costs and spec.last_stats.step == "static"
     assert "step: static" in str(spec.last_stats)
+
+
+class ReplayingBackend:
+    """Stands in for CUDA on a CPU: a "graph" is the recorded function, run again on its buffers at each replay.
+
+    A real graph replays the captured kernels on whatever its input buffers
+    hold; so does this, which is what the runner's bookkeeping relies on.
+    """
+
+    replays = 0
+
+    def __init__(self, device) -> None:
+        self.device = device
+
+    def warm_up(self):
+        return contextlib.nullcontext()
+
+    def record(self, fn):
+        output = fn()
+        backend = self
+
+        class Graph:
+            def replay(self) -> None:
+                ReplayingBackend.replays += 1
+                output.copy_(fn())
+
+        return Graph(), output
+
+    def synchronize(self) -> None:
+        pass
+
+
+class FailingBackend(ReplayingBackend):
+    def record(self, fn):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+
+def graphed(model, plan, monkeypatch, backend=ReplayingBackend):
+    monkeypatch.setattr(selfspec.static, "CudaGraphBackend", backend)
+    spec = selfspec.wrap(model, plan=plan, step="static", costs="flat")
+    spec.step = "graphs"  # what wrap chooses on CUDA; the backend above stands in for the device
+    return spec
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gpt2"])
+def test_graphed_runner_replays_equal_generate(arch, tmp_path, monkeypatch):
+    model = model_for(arch)
+    kinds = plan_kinds(model, tmp_path)
+    for name in ("head + vocab + n-grams", "cost policy", "layers 0,1,3,5, k=9", "plain"):
+        spec = graphed(model, kinds[name], monkeypatch)
+        ReplayingBackend.replays = 0
+        for length, new in ((5, 40), (70, 30), (6, 25)):
+            prompt = random_prompt(length, seed=length)
+            ref = model.generate(prompt, do_sample=False, max_new_tokens=new)
+            assert_same(spec.generate(prompt, max_new_tokens=new), ref, f"{name}, prompt {length}")
+            assert spec.last_stats.step.startswith("CUDA graphs ("), spec.last_stats.step
+        assert ReplayingBackend.replays > 20
+        # The graphs stay with the wrapped model: the same call again captures nothing new.
+        kept = spec.graphed
+        assert_same(spec.generate(prompt, max_new_tokens=new), ref, f"{name}, again")
+        assert spec.graphed is kept and spec.last_stats.capture_seconds == 0.0
+        spec.generate(random_prompt(200, seed=1), max_new_tokens=56)  # a longer one recaptures at a larger capacity
+        assert spec.graphed is not kept and spec.graphed.valid_capacity % 256 == 0
+        spec.release()
+        assert spec.graphed is None
+
+
+def test_a_pass_that_cannot_be_captured_turns_graphs_off_with_the_reason(monkeypatch):
+    model = model_for("llama")
+    plan = selfspec.DraftPlan(exit_layer=3, draft_length=4, policy="fixed")
+    spec = graphed(model, plan, monkeypatch, backend=FailingBackend)
+    prompt = random_prompt(9, seed=4)
+    ref = model.generate(prompt, do_sample=False, max_new_tokens=30)
+    assert_same(spec.generate(prompt, max_new_tokens=30), ref, plan)
+    assert spec.last_stats.step == "static, CUDA graphs off (RuntimeError: operation not permitted when stream is capturing)"
