@@ -122,6 +122,10 @@ class LayerRunner:
         allowed = key_pos <= query_pos  # [q, kv]
         if window is not None:
             allowed &= key_pos > query_pos - window
+        return self.as_mask(allowed)
+
+    def as_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """`[1, 1, q, kv]` mask in the form the attention takes: bool for sdpa, additive for eager."""
         if self.bool_masks:
             return allowed[None, None]
         additive = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)

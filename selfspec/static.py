@@ -126,10 +126,7 @@ class StaticRunner(LayerRunner):
         allowed = key <= query
         if window is not None:
             allowed &= key > query - window
-        if self.bool_masks:
-            return allowed[None, None]
-        additive = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
-        return additive.masked_fill(~allowed, torch.finfo(self.dtype).min)[None, None]
+        return self.as_mask(allowed)
 
 
 class CapturedPass:
