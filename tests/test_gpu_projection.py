@@ -1,0 +1,62 @@
+"""The projection `benchmarks/gpu_check.py` prints: round outcomes measured on a CPU, priced at GPU costs.
+
+Checked on hand-computable cases, so the one figure the GPU run cannot
+measure (a real model's speed there) is at least the right arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import gpu_check
+
+FAST = gpu_check.FAST
+
+
+def measured(draft: dict, verify: dict) -> dict:
+    per_token = {"model.generate": 4.0, "HF static+compile": 1.0, f"selfspec plain {FAST}": 1.0}
+    return {"SmolLM2-135M": {"layers": 30, "step": 1.0, "draft": draft, "verify": verify, "per_token": per_token}}
+
+
+def write_profile(tmp_path, outcomes: dict, draft_layers: int) -> None:
+    plan = {"plan": {}, "draft_layers": draft_layers, "exact_prefix": 0, "outcomes": outcomes, "tokens_per_pass": 0}
+    (tmp_path / "acceptance_smollm2.json").write_text(json.dumps(
+        {"command": "test", "prompts": "test", "plans": {"p": plan}}))
+
+
+def test_all_accepted_free_drafts_flat_verify(tmp_path, monkeypatch, capsys):
+    """k=4 always accepted, drafting free, verify = 1 step: 5 tokens per step, 5x HF static+compile."""
+    monkeypatch.setattr(gpu_check, "DATA", tmp_path)
+    write_profile(tmp_path, {"layers 4 4": 10}, draft_layers=1)
+    gpu_check.projection(measured({1: 0.0, 29: 0.0}, {2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0}))
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("PROJECTION p:"))
+    assert "k=4" in line and "5.00 tokens per pass" in line and "5.00x HF static+compile" in line
+
+
+def test_costly_drafts_project_plain_decoding(tmp_path, monkeypatch, capsys):
+    """Each drafted token costs a full step and half are rejected: k=0 wins, the plain path's speed."""
+    monkeypatch.setattr(gpu_check, "DATA", tmp_path)
+    write_profile(tmp_path, {"layers 2 0": 5, "layers 2 1": 5}, draft_layers=29)
+    gpu_check.projection(measured({1: 1.0, 29: 1.0}, {2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0}))
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("PROJECTION p:"))
+    assert "k=0" in line and "1.00x HF static+compile" in line
+
+
+def test_ngram_rounds_draft_for_free_and_widths_cost_their_bucket(tmp_path, monkeypatch, capsys):
+    """n-gram k=3, 2 accepted: 3 tokens for a verify over 4 tokens (bucket 4, 1.5 steps): 2x.
+
+    k=2 does as well (3 tokens, 3 wide: the same bucket) and ties go to the shorter draft.
+    """
+    monkeypatch.setattr(gpu_check, "DATA", tmp_path)
+    write_profile(tmp_path, {"ngram 3 2": 4}, draft_layers=0)
+    gpu_check.projection(measured({1: 1.0}, {2: 1.2, 4: 1.5, 8: 2.0, 16: 3.0}))
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("PROJECTION p:"))
+    assert "k=2, 3.00 tokens per pass, 2.00x HF static+compile" in line
+
+
+def test_verify_cost_uses_the_bucket():
+    verify = {2: 1.1, 4: 1.2, 8: 1.3, 16: 1.4}
+    assert [gpu_check.verify_cost(verify, q) for q in (1, 2, 3, 5, 9, 17)] == [1.0, 1.1, 1.2, 1.3, 1.4, 1.4]
+    assert gpu_check.interpolate({1: 0.1, 29: 1.0}, 15) == pytest.approx(0.1 + 0.9 * 14 / 28)
