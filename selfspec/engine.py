@@ -8,7 +8,12 @@ plus the target's own next token, and crops the cache back to what was kept.
 
 The cache lives for one `generate()` call and is dropped with it, so a
 generation that raises (a streamer that throws, Ctrl-C) leaves nothing
-behind; the model itself is only ever read.
+behind; the model itself is only ever read. With `step="graphs"` the cache
+and its CUDA graphs stay with the wrapped model (the graphs hold its
+addresses); each call starts by emptying it, so nothing carries over either.
+
+How a pass runs is the step's business: the eager rounds are below; the
+static step's rounds (one read back per round) are `static_loop.py`.
 """
 
 from __future__ import annotations
