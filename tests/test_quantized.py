@@ -69,7 +69,8 @@ def test_greedy_matches_the_quantized_generate(arch, quantize, data):
     plan = data.draw(plans(model.config.num_hidden_layers, max_draft_length=6), label="plan")
     prompt = random_prompt(data.draw(st.integers(1, 16), label="prompt length"), seed=data.draw(st.integers(0, 99)))
     max_new = data.draw(st.integers(1, 20), label="max_new_tokens")
-    out = selfspec.wrap(model, plan=plan).generate(prompt, max_new_tokens=max_new)
+    step = data.draw(st.sampled_from(["eager", "static"]), label="step")
+    out = selfspec.wrap(model, plan=plan, step=step).generate(prompt, max_new_tokens=max_new)
     assert_same(out, reference(model, prompt, max_new), plan)
 
 
