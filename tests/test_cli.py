@@ -288,7 +288,9 @@ def test_generate_on_the_static_step(tiny_folder, capsys):
     assert "step: static" in out and "outputs identical: yes" in out
 
 
-def test_graphs_step_on_a_cpu_is_a_one_line_error(tiny_folder, capsys):
-    assert main(["generate", "--model", str(tiny_folder), "--step", "graphs", "hi"]) == 2
+@pytest.mark.parametrize("command", [["generate", "hi"], ["costs"]])
+def test_graphs_step_on_a_cpu_is_a_one_line_error_before_loading(monkeypatch, command, capsys):
+    monkeypatch.setattr(selfspec, "load", lambda *a, **k: pytest.fail("loaded a model for a refused --step"))
+    assert main([*command, "--step", "graphs"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "step='graphs' needs the model on a CUDA device" in err and len(err.splitlines()) == 1
+    assert "--step graphs needs a CUDA device (got --device cpu" in err and len(err.splitlines()) == 1

@@ -126,6 +126,22 @@ def add_runtime_arguments(parser: argparse.ArgumentParser, *, dtype: str | None 
                              "pip install 'selfspec[quant]'); default: no quantization")
 
 
+STEPS = ("auto", "eager", "static", "graphs")
+
+
+def add_step_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--step", choices=STEPS, default="auto",
+                        help="how passes run: auto (CUDA graphs on a GPU, eager elsewhere), eager, static "
+                             "(fixed shapes, one read back per round), graphs (static + CUDA graphs; CUDA only)")
+
+
+def check_step(step: str, device: str) -> None:
+    """`--step graphs` needs `--device cuda`: said before a model is loaded."""
+    if step == "graphs" and not device.startswith("cuda"):
+        raise ValueError(f"--step graphs needs a CUDA device (got --device {device}; valid here: --step auto, "
+                         "eager or static)")
+
+
 def set_threads(threads: int | None) -> None:
     if threads:
         import torch

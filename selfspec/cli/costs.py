@@ -34,8 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", type=common.existing_file, help="a plan JSON (default: the adapter's plan)")
     parser.add_argument("--dtype", type=dtypes, default=["float32", "bfloat16"],
                         help="comma list of dtypes to measure (default: float32,bfloat16)")
-    parser.add_argument("--step", choices=["auto", "eager", "static", "graphs"], default="auto",
-                        help="how passes run (see selfspec generate --help; default auto)")
+    common.add_step_argument(parser)
     parser.add_argument("--repeats", type=common.integer(1, 50), default=3, help="timed runs per pass (default 3)")
     common.add_runtime_arguments(parser, dtype=None)
 
@@ -43,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import selfspec
 
+    common.check_step(args.step, args.device)
     common.set_threads(args.threads)
     steps = {}
     for dtype in args.dtype:

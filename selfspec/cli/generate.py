@@ -33,9 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="nucleus sampling (implies sampling; 0: greedy)")
     parser.add_argument("--seed", type=common.integer(0), default=0, help="seed for sampling")
     common.add_runtime_arguments(parser)
-    parser.add_argument("--step", choices=["auto", "eager", "static", "graphs"], default="auto",
-                        help="how passes run: auto (CUDA graphs on a GPU, eager elsewhere), eager, static "
-                             "(fixed shapes, one read back per round), graphs (static + CUDA graphs; CUDA only)")
+    common.add_step_argument(parser)
     parser.add_argument("--compare", action="store_true",
                         help="also run plain model.generate and compare speed and output")
 
@@ -61,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from ..prompts import encode_prompts
 
     plan = selfspec.DraftPlan.load(args.plan) if args.plan else None  # a bad plan file fails before the model loads
+    common.check_step(args.step, args.device)
     common.set_threads(args.threads)
     weights = f", {args.quantize} weights" if args.quantize else ""
     print(f"selfspec: loading {args.model} ({args.dtype}{weights}, {args.device})...", file=sys.stderr, flush=True)
