@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .head import ExitHead
-from .ngram import longest_match
+from .ngram import continuations, longest_match
 from .plan import DraftPlan
 from .runner import LayerRunner
 from .scoring import Scorer
+from .tree import TokenTree
 from .vocab import DraftVocab
 
 
@@ -37,6 +38,10 @@ class Draft:
     source: str = "layers"  # "layers", or "ngram" (copied from an earlier match; no boundary states)
     confidences: list[float] = field(default_factory=list)  # per drafted token: the draft's top probability
     match_length: int = 0  # n-gram drafts: the length of the matched suffix
+    tree: TokenTree | None = None  # several n-gram continuations as a tree (`tree.py`); `tokens` is its first path
+
+
+TREE_BRANCHES = 4  # n-gram continuations a tree draws from
 
 
 class Drafter:
@@ -61,15 +66,17 @@ class Drafter:
                 )
             self.other_layers = (head.slot,)  # layers 0..E-1 are the exact prefix; then the head
 
-    def propose(self, runner: LayerRunner, scorer: Scorer, tokens: list[int], policy) -> Draft:
+    def propose(self, runner: LayerRunner, scorer: Scorer, tokens: list[int], policy, *, tree_nodes: int = 0) -> Draft:
         """Draft after `tokens` as far as `policy` says; the last of `tokens` is not in the cache yet.
 
         `policy` (`policy.py`) has had `begin_round(budget)` called. An n-gram
         match, when the plan looks for one, comes first: it is free, and the
         policy says how much of it to verify; when that is nothing, the layers
-        may draft.
+        may draft. With `tree_nodes`, an n-gram proposal may be a tree of
+        several continuations (greedy only).
         """
-        copied = self.ngram_draft(tokens, policy, scorer, runner.parts.vocab_size, runner.positions.device)
+        copied = self.ngram_draft(tokens, policy, scorer, runner.parts.vocab_size, runner.positions.device,
+                                  tree_nodes=tree_nodes)
         if copied is not None:
             return copied
         start = len(tokens) - 1
@@ -91,14 +98,32 @@ class Drafter:
                 probs.append(q)
         return Draft(drafted, torch.stack(probs) if probs else None, boundary, confidences=confidences)
 
-    def ngram_draft(self, tokens: list[int], policy, scorer: Scorer, vocab_size: int, device) -> Draft | None:
-        """An n-gram proposal cut to the length `policy` finds worth verifying, or None (no match, or not worth it)."""
+    def ngram_draft(self, tokens: list[int], policy, scorer: Scorer, vocab_size: int, device, *,
+                    tree_nodes: int = 0) -> Draft | None:
+        """An n-gram proposal cut to the length `policy` finds worth verifying, or None (no match, or not worth it).
+
+        With `tree_nodes` (greedy only), other earlier matches' continuations
+        join it as branches of a tree, as many nodes as `policy.tree_nodes` says
+        verify at about the chain's cost.
+        """
         if not self.ngram:
             return None
-        copied, match_length = longest_match(tokens, max_ngram=self.ngram, budget=policy.round_budget)
-        copied = copied[: policy.ngram_length(match_length, len(copied))] if copied else []
+        if tree_nodes and not scorer.do_sample:
+            paths, match_length = continuations(tokens, max_ngram=self.ngram, budget=policy.round_budget,
+                                                branches=TREE_BRANCHES)
+        else:
+            copied, match_length = longest_match(tokens, max_ngram=self.ngram, budget=policy.round_budget)
+            paths = [copied] if copied else []
+        if not paths:
+            return None
+        copied = paths[0][: policy.ngram_length(match_length, len(paths[0]))]
         if not copied:
             return None
+        if len(paths) > 1:
+            nodes = policy.tree_nodes(len(copied), tree_nodes)
+            tree = TokenTree.from_paths([copied] + [p[: len(copied)] for p in paths[1:]], max_nodes=nodes)
+            if not tree.is_chain:
+                return Draft(copied, None, [], source="ngram", match_length=match_length, tree=tree)
         probs = None
         if scorer.do_sample:  # a deterministic proposal: q is one-hot
             probs = torch.zeros(len(copied), vocab_size, device=device)  # [k, vocab]

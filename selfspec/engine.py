@@ -37,12 +37,12 @@ from .costs import (
     measure_pass_costs,
     save_costs,
 )
-from .draft import Drafter
+from .draft import Draft, Drafter
 from .head import ExitHead, load_head
 from .hf_generation import GenerationSettings, resolve_settings
 from .memory import MemoryReport, memory_report
 from .parts import ModelParts, text_config
-from .passes import TargetPasses
+from .passes import Checked, TargetPasses
 from .plan import DraftPlan
 from .policy import AdaptivePolicy, CostPolicy
 from .quant import describe_quantization
@@ -51,6 +51,7 @@ from .runner import LayerRunner
 from .scoring import Scorer
 from .static import GraphedRunner, StaticRunner
 from .static_loop import run_static_rounds
+from .tree import accept_tree_greedy, compact
 from .stats import GenerationStats
 from .vocab import DraftVocab, load_vocab
 
@@ -115,7 +116,7 @@ class SelfSpecModel:
         # Drafter validates the plan against the model (layer indices, the head's exit).
         self.drafter = Drafter(plan, self.parts.num_layers, head=self.head, vocab=self.vocab)
         self.passes = TargetPasses(self.parts.num_layers, exact_prefix=self.drafter.exact_prefix, head=self.head)
-        self.max_width = plan.draft_length + 1  # the widest verify pass
+        self.max_width = max(plan.draft_length, plan.tree) + 1  # the widest verify pass (a chain, or a tree)
         self.injected_costs = self._injected(costs)
         self.measured_costs: dict[tuple, RuntimeCosts] = {}  # by (threads, device): a table, refined by the rounds
         self.step = self._resolve_step(step)
@@ -299,7 +300,7 @@ class SelfSpecModel:
         self, prompt: list[int], settings: GenerationSettings, streamer, generator
     ) -> tuple[list[int], GenerationStats]:
         policy = self._policy(settings)  # first: measuring the costs (once) uses a runner of its own
-        capacity = len(prompt) + settings.max_new_tokens + self.plan.draft_length + 1
+        capacity = len(prompt) + settings.max_new_tokens + self.max_width  # room for the widest verify pass
         runner = self._runner(capacity)
         scorer = Scorer(settings, generator)
         out = Output(prompt, settings, streamer)
@@ -339,8 +340,11 @@ class SelfSpecModel:
             start = len(out.tokens) - 1  # position of the last emitted token, not in the cache yet
             policy.begin_round(min(self.plan.draft_length, out.remaining - 1))
             # 1. draft: an n-gram match, else the plan's layers, as far as the policy finds it pays
-            draft = self.drafter.propose(runner, scorer, out.tokens, policy)
+            draft = self.drafter.propose(runner, scorer, out.tokens, policy, tree_nodes=self.plan.tree)
             draft_seconds = clock.lap()
+            if draft.tree is not None:  # several n-gram continuations at once (greedy)
+                self._tree_round(runner, draft, start, policy, scorer, out, stats, clock, draft_seconds)
+                continue
             # 2. verify: one pass of the target over the last token and the draft
             ids = torch.tensor([[out.tokens[-1], *draft.tokens]], device=runner.positions.device)  # [1, k+1]
             checked = self.passes.verify(runner, ids, draft.boundary, start)
@@ -361,6 +365,33 @@ class SelfSpecModel:
                                verify_seconds=verify_seconds, source=draft.source)
             policy.observe(draft, verdict.accepted, draft_seconds=draft_seconds, verify_seconds=verify_seconds,
                            width=len(draft.tokens) + 1)
+
+    def _tree_round(self, runner: LayerRunner, draft: Draft, start: int, policy, scorer: Scorer, out: "Output",
+                    stats: GenerationStats, clock: "Clock", draft_seconds: float) -> None:
+        """Verify a token tree in one pass, keep the longest agreeing path, compact the cache (`tree.py`)."""
+        tree = draft.tree
+        ids = torch.tensor([[out.tokens[-1], *tree.tokens]], device=runner.positions.device)  # [1, n+1]
+        checked = self.passes.verify_tree(runner, ids, tree, start)
+        scores = checked.logits
+        if scorer.processors:  # row r is conditioned on the prefix and r's own ancestors
+            rows = [[]] + [tree.path_tokens(tree.path_to(i)) for i in range(len(tree))]
+            scores = torch.cat([scorer.scores(checked.logits[r : r + 1], out.tokens + row, len(out.tokens) + len(row))
+                                for r, row in enumerate(rows)])
+        path, next_token = accept_tree_greedy(tree, scores)
+        keep = start + 1 + len(path)
+        compact(runner.cache, start=start, path=path, layers=range(self.parts.num_layers))
+        if checked.exit_states is not None:  # the head's cache: the states of the root and the kept path, in order
+            rows = torch.tensor([0] + [node + 1 for node in path], device=checked.exit_states.device)
+            checked = Checked(checked.logits, checked.exit_states[:, rows])
+        self.passes.fill_head(runner, checked, start, keep)
+        verify_seconds = clock.lap()
+        out.emit(tree.path_tokens(path) + [next_token])
+        stats.record_round(drafted=len(tree), accepted=len(path), draft_seconds=draft_seconds,
+                           verify_seconds=verify_seconds, source="ngram tree")
+        # The policy learns from the tree's first path (the chain it would have verified): how far it was kept.
+        on_chain = next((i for i, node in enumerate(path) if node != i), len(path))
+        policy.observe(draft, on_chain, draft_seconds=draft_seconds, verify_seconds=verify_seconds,
+                       width=len(tree) + 1)
 
     def _check_prompt(self, input_ids, attention_mask) -> list[int]:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:

@@ -28,3 +28,27 @@ def longest_match(tokens: list[int], *, max_ngram: int, budget: int) -> tuple[li
             if tokens[j : j + n] == suffix:
                 return tokens[j + n : j + n + budget], n
     return [], 0
+
+
+def continuations(tokens: list[int], *, max_ngram: int, budget: int, branches: int) -> tuple[list[list[int]], int]:
+    """Up to `branches` different continuations of the longest matched suffix (latest match first) and its length.
+
+    The first is `lookup`'s; the others follow earlier occurrences of the
+    same suffix whose continuations differ from those already taken.
+    """
+    if budget < 1 or branches < 1:
+        return [], 0
+    length = len(tokens)
+    for n in range(min(max_ngram, length - 1), 0, -1):
+        suffix = tokens[length - n :]
+        found: list[list[int]] = []
+        for j in range(length - n - 1, -1, -1):
+            if tokens[j : j + n] == suffix:
+                follow = tokens[j + n : j + n + budget]
+                if follow and follow not in found:
+                    found.append(follow)
+                    if len(found) == branches:
+                        break
+        if found:
+            return found, n
+    return [], 0

@@ -23,6 +23,7 @@ import torch
 
 from .head import ExitHead
 from .runner import LayerRunner
+from .tree import TokenTree
 
 
 @dataclass
@@ -72,6 +73,21 @@ class TargetPasses:
             hidden = exit_states = runner.run(hidden, range(s, exit_layer), start)  # [1, k+1, hidden]
             s = exit_layer
         return Checked(runner.logits(runner.run(hidden, range(s, self.num_layers), start)), exit_states)
+
+    def verify_tree(self, runner: LayerRunner, ids: torch.Tensor, tree: TokenTree, start: int) -> Checked:
+        """Target logits `[n+1, vocab]` for `ids` `[1, n+1]`: the last emitted token and a tree's n nodes.
+
+        Row r is written at slot start + r and sits at start + its depth
+        (`tree.py`); nothing of the draft is in the cache (trees are n-gram
+        proposals), so every layer runs.
+        """
+        runner.cache.crop(start, layers=range(self.num_layers))
+        hidden = runner.embed(ids, start, tree)  # [1, n+1, hidden]
+        exit_states, s = None, 0
+        if self.head is not None:  # keep the states after layer E-1 for the head's cache
+            hidden = exit_states = runner.run(hidden, range(self.head.exit_layer), start, tree)
+            s = self.head.exit_layer
+        return Checked(runner.logits(runner.run(hidden, range(s, self.num_layers), start, tree)), exit_states)
 
     def fill_head(self, runner: LayerRunner, checked: Checked, start: int, keep: int) -> None:
         """After the roll back to `keep` positions: give the head entries for the verified tokens it lacks."""

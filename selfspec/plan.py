@@ -74,6 +74,7 @@ class DraftPlan:
     draft_vocab_size: int = 0
     name: str = ""
     policy: str = "cost"
+    tree: int = 0  # most nodes a drafted token tree may hold (0: chains only); n-gram branches, greedy, eager step
 
     def __post_init__(self) -> None:
         # One strict rule for every field: the type it names (ints are ints, never bools, floats or strings).
@@ -94,6 +95,10 @@ class DraftPlan:
         for field in ("threshold", "target_acceptance", "threshold_step"):
             _check_unit_interval(field, getattr(self, field))
         _check_int("ngram", self.ngram, 0, MAX_NGRAM)
+        _check_int("tree", self.tree, 0, MAX_DRAFT_LENGTH)
+        if self.tree and not self.ngram:
+            raise ValueError(f"tree={self.tree} needs ngram=N: the tree's branches are n-gram continuations "
+                             "(layer drafts are chains)")
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} is not a draft-length policy (valid: {', '.join(POLICIES)})")
         _check_int("draft_vocab_size", self.draft_vocab_size, 0, None)
@@ -202,7 +207,8 @@ class DraftPlan:
             size = self.draft_vocab_size or "all counted"
             where += f", draft vocabulary {size} from {os.path.basename(self.draft_vocab)}"
         if self.ngram:
-            where = f"n-gram lookup (n<={self.ngram}), then {where}"
+            tree = f", as a tree of up to {self.tree} nodes" if self.tree else ""
+            where = f"n-gram lookup (n<={self.ngram}{tree}), then {where}"
         policy = f"k<={self.draft_length}" + (", k by measured cost" if self.policy == "cost" else "")
         if self.adaptive and self.policy == "fixed":
             policy += f", adaptive (threshold {self.threshold:g} -> acceptance {self.target_acceptance:g})"

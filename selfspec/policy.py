@@ -39,6 +39,7 @@ CONFIDENCE_BINS = 10
 POSITION_BUCKETS = 4  # draft positions 1, 2, 3, 4+
 DECAY = 0.98  # per round: old evidence fades, so a source written off is tried again later
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind the prior acceptance
+TREE_SLACK = 0.05  # a tree may widen the verify pass while it costs at most this much more than the chain's
 SHRINK = 2.0  # pseudo-observations pulling a (position, confidence) cell toward its position's rate
 
 
@@ -201,6 +202,14 @@ class CostPolicy:
             return False
         return self.draft_length_from(drafted) > drafted
 
+    def tree_nodes(self, chain: int, max_nodes: int) -> int:
+        """Nodes a tree around a chain of `chain` tokens may hold: as many as verify within 5% of the chain's cost."""
+        base = self.costs.verify(chain + 1)
+        nodes = chain
+        while nodes < max_nodes and self.costs.verify(nodes + 2) <= base * (1 + TREE_SLACK):
+            nodes += 1
+        return nodes
+
     def planned_length(self) -> int:
         """The layer draft length, decided before drafting (the static step: reading a confidence would sync)."""
         if self.round_budget <= 0 or not self.costs.table.draft_step:
@@ -278,6 +287,9 @@ class AdaptivePolicy:
 
     def ngram_length(self, match_length: int, available: int) -> int:
         return available  # an n-gram proposal is free: always take it whole
+
+    def tree_nodes(self, chain: int, max_nodes: int) -> int:
+        return max(chain, max_nodes)  # the plan's node budget, whatever it costs
 
     def planned_length(self) -> int:
         """The static step drafts the budget: the confidence threshold would need a read back per token."""

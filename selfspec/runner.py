@@ -31,6 +31,7 @@ import torch
 
 from .cache import SharedKVCache
 from .parts import ModelParts, soft_cap
+from .tree import TokenTree
 from .vocab import DraftVocab
 
 
@@ -63,25 +64,37 @@ class LayerRunner:
                 # (cos, sin), each [1, capacity, rot_dim]
                 self.rotary[kind] = parts.rotary(probe, position_ids=self.positions, **extra)
 
-    def embed(self, token_ids: list[int] | torch.Tensor, start: int) -> torch.Tensor:
-        """`[1, q, hidden]` input embeddings of `token_ids` (a list, or `[1, q]` on the device) at start..start+q-1."""
+    def embed(self, token_ids: list[int] | torch.Tensor, start: int, tree: TokenTree | None = None) -> torch.Tensor:
+        """`[1, q, hidden]` input embeddings of `token_ids` (a list, or `[1, q]` on the device) at start..start+q-1.
+
+        With a `tree` (`tree.py`), row r sits at start + its depth instead.
+        """
         if isinstance(token_ids, torch.Tensor):
             ids = token_ids  # [1, q]
         else:
             ids = torch.tensor([token_ids], device=self.positions.device)  # [1, q]
         hidden = self.parts.embed(ids)
         if self.parts.position_embed is not None:  # learned absolute positions (GPT-2)
-            hidden = hidden + self.parts.position_embed(self.positions[:, start : start + ids.shape[1]])
+            hidden = hidden + self.parts.position_embed(self.row_positions(start, ids.shape[1], tree)[None])
         return hidden
 
-    def run(self, hidden: torch.Tensor, layers, start: int) -> torch.Tensor:
+    def row_positions(self, start: int, q: int, tree: TokenTree | None) -> torch.Tensor:
+        """`[q]` positions of q rows written from `start`: consecutive, or start + depth for a tree's rows."""
+        if tree is None:
+            return self.positions[0, start : start + q]
+        return start + torch.tensor(tree.depths(), device=self.positions.device)
+
+    def run(self, hidden: torch.Tensor, layers, start: int, tree: TokenTree | None = None) -> torch.Tensor:
         """Run `layers` in order on `hidden` `[1, q, hidden]` at positions start..start+q-1.
 
-        Every layer in `layers` must hold exactly `start` cache entries.
+        Every layer in `layers` must hold exactly `start` cache entries. With a
+        `tree` (`tree.py`, q = its nodes + 1) row r is written at slot start + r
+        but sits at start + its depth and sees the prefix and its ancestors.
         """
         q = hidden.shape[1]
-        position_ids = self.positions[:, start : start + q]  # [1, q]
-        rotary = {kind: tuple(t[:, start : start + q] for t in table) for kind, table in self.rotary.items()}
+        rows = self.row_positions(start, q, tree)  # [q]
+        position_ids = rows[None]  # [1, q]
+        rotary = {kind: tuple(t[:, rows] for t in table) for kind, table in self.rotary.items()}
         masks: dict[int | None, torch.Tensor | None] = {}
         for i in layers:
             if self.cache.lengths[i] != start:
@@ -90,7 +103,7 @@ class LayerRunner:
                 )
             window = self.windows[i]
             if window not in masks:
-                masks[window] = self.mask(q, start, window)
+                masks[window] = self.mask(q, start, window) if tree is None else self.tree_mask(tree, start, window)
             hidden = self.call(
                 self.layers[i],
                 hidden,
@@ -122,6 +135,17 @@ class LayerRunner:
         allowed = key_pos <= query_pos  # [q, kv]
         if window is not None:
             allowed &= key_pos > query_pos - window
+        return self.as_mask(allowed)
+
+    def tree_mask(self, tree: TokenTree, start: int, window: int | None) -> torch.Tensor:
+        """`[1, 1, n+1, start+n+1]` mask for a tree's rows: the prefix, then each row's ancestors and itself."""
+        device = self.positions.device
+        visible = tree.visibility().to(device)  # [n+1, n+1]
+        allowed = torch.cat([torch.ones(len(visible), start, dtype=torch.bool, device=device), visible], dim=1)
+        if window is not None:
+            query_pos = self.row_positions(start, len(visible), tree)  # [n+1]
+            key_pos = torch.cat([self.positions[0, :start], query_pos])  # [start+n+1]
+            allowed &= key_pos[None] > query_pos[:, None] - window
         return self.as_mask(allowed)
 
     def as_mask(self, allowed: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,9 @@ class GenerationStats:
     bonus: int = 0
     ngram_drafted: int = 0  # of `drafted`, copied from an earlier n-gram match
     ngram_accepted: int = 0  # of `accepted`, those copied tokens
+    tree_rounds: int = 0  # rounds that verified a token tree (n-gram continuations; `drafted` counts its nodes)
+    tree_nodes: int = 0  # nodes those trees held
+    tree_accepted: int = 0  # tokens kept from them (the accepted path)
     rounds_without_draft: int = 0  # plain steps: drafting off, paused, or no budget left
     accepted_lengths: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
@@ -58,7 +61,11 @@ class GenerationStats:
         self, *, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float, source: str = "layers"
     ) -> None:
         self.rounds += 1
-        if source == "ngram":
+        if source == "ngram tree":
+            self.tree_rounds += 1
+            self.tree_nodes += drafted
+            self.tree_accepted += accepted
+        if source in ("ngram", "ngram tree"):
             self.ngram_drafted += drafted
             self.ngram_accepted += accepted
         self.draft_seconds += draft_seconds
@@ -102,6 +109,11 @@ class GenerationStats:
                 [f"from n-gram lookup: drafted {self.ngram_drafted}, accepted {self.ngram_accepted}; "
                  f"from layers: drafted {self.drafted - self.ngram_drafted}, accepted {self.accepted - self.ngram_accepted}"]
                 if self.ngram_drafted else []
+            ),
+            *(
+                [f"token trees: {self.tree_rounds} rounds, {self.tree_nodes} nodes verified, "
+                 f"{self.tree_accepted} tokens kept ({self.tree_accepted / self.tree_rounds:.2f} per tree round)"]
+                if self.tree_rounds else []
             ),
             f"time: prefill {self.prefill_seconds:.3f} s, draft {self.draft_seconds:.3f} s, "
             f"verify {self.verify_seconds:.3f} s",

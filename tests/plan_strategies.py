@@ -10,22 +10,24 @@ import selfspec
 
 @st.composite
 def plans(draw, num_layers: int, max_draft_length: int = 10):
-    """Random plans: early exits or layer subsets, draft lengths 1..max, fixed, adaptive or cost-chosen, with or without n-grams."""
+    """Random plans: early exits or layer subsets, draft lengths 1..max, fixed, adaptive or cost-chosen, with or
+    without n-grams, whose proposals may be token trees."""
     draft_length = draw(st.integers(1, max_draft_length))
     policy = draw(st.sampled_from(["fixed", "fixed", "cost"]))
     adaptive = draw(st.booleans())
     threshold = draw(st.floats(0.05, 0.95))
     ngram = draw(st.sampled_from([0, 0, 1, 3]))
+    tree = draw(st.sampled_from([0, 6, 12])) if ngram else 0
     if ngram and draw(st.booleans()):
         return selfspec.DraftPlan(draft_length=draft_length, adaptive=adaptive, threshold=threshold, ngram=ngram,
-                                  policy=policy)
+                                  policy=policy, tree=tree)
     if draw(st.booleans()):
         where = dict(exit_layer=draw(st.integers(1, num_layers)))
     else:
         subset = draw(st.sets(st.integers(0, num_layers - 1), min_size=1, max_size=num_layers))
         where = dict(layers=sorted(subset))
     return selfspec.DraftPlan(draft_length=draft_length, adaptive=adaptive, threshold=threshold, ngram=ngram,
-                              policy=policy, **where)
+                              policy=policy, tree=tree, **where)
 
 
 def assert_same(out: torch.Tensor, ref: torch.Tensor, plan) -> None:

@@ -1,0 +1,127 @@
+"""Token trees: several drafted continuations verified in one pass over the shared cache.
+
+A tree hangs under the last emitted token x (the root, row 0 of the verify
+pass). Node i (row i + 1) holds a drafted token and its parent: -1 for x, else
+an earlier node. Verification runs x and every node in one pass. Each row
+writes its cache entries at its own slot (start + row), but sits at the
+position of its depth (start + depth), and attends to the verified prefix and
+to its own ancestors only. So every path of the tree sees exactly what a chain
+of those tokens would see.
+
+Greedy acceptance keeps the longest path the target agrees with (`accept_tree_greedy`);
+the cache is then compacted: the accepted path's entries move from their
+slots to their positions, O(accepted x layers) copies, and the rest is
+cropped (`compact`).
+
+This module knows trees, masks over their rows and the greedy rule on them;
+it does not run layers or choose what to draft.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    tokens: tuple[int, ...]  # node i's token
+    parents: tuple[int, ...]  # node i's parent: -1 for the root x, else j < i
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError(f"{len(self.tokens)} tokens but {len(self.parents)} parents")
+        for i, parent in enumerate(self.parents):
+            if not -1 <= parent < i:
+                raise ValueError(f"node {i} has parent {parent}: parents come before their children (or -1, the root)")
+
+    @classmethod
+    def from_paths(cls, paths: list[list[int]], *, max_nodes: int) -> TokenTree:
+        """The trie of `paths` (shared prefixes merged), in order, cut at `max_nodes` nodes."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        children: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+        for path in paths:
+            parent = -1
+            for token in path:
+                node = children.get((parent, token))
+                if node is None:
+                    if len(tokens) == max_nodes:
+                        break
+                    node = children[(parent, token)] = len(tokens)
+                    tokens.append(token)
+                    parents.append(parent)
+                parent = node
+        return cls(tuple(tokens), tuple(parents))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(parent == i - 1 for i, parent in enumerate(self.parents))
+
+    def depths(self) -> list[int]:
+        """Depth of every row: 0 for the root x, 1 + the parent's for a node."""
+        depths = [0]
+        for parent in self.parents:
+            depths.append(depths[parent + 1] + 1)
+        return depths
+
+    def visibility(self) -> torch.Tensor:
+        """`[n+1, n+1]` bool: row r sees row c iff c is r or one of its ancestors (row 0 is the root)."""
+        n = len(self.tokens)
+        seen = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        seen[0, 0] = True
+        for i, parent in enumerate(self.parents):
+            seen[i + 1] = seen[parent + 1]
+            seen[i + 1, i + 1] = True
+        return seen
+
+    def path_tokens(self, path: list[int]) -> list[int]:
+        return [self.tokens[i] for i in path]
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root's child down to `node` (empty for the root, -1)."""
+        path = []
+        while node != -1:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+
+def accept_tree_greedy(tree: TokenTree, target_scores: torch.Tensor) -> tuple[list[int], int]:
+    """The longest path the target agrees with (node indices) and the target's next token after it.
+
+    `target_scores` `[n+1, vocab]`: row r scores the token after row r.
+    """
+    choices = target_scores.argmax(dim=-1).tolist()
+    children: dict[int, dict[int, int]] = {}
+    for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
+        children.setdefault(parent, {}).setdefault(token, i)
+    path: list[int] = []
+    node = -1
+    while True:
+        child = children.get(node, {}).get(choices[node + 1])
+        if child is None:
+            return path, choices[node + 1]
+        path.append(child)
+        node = child
+
+
+def compact(cache, *, start: int, path: list[int], layers) -> None:
+    """Move the accepted path's entries (rows path[i] + 1) to positions start + 1 + i, then crop after them.
+
+    Copies only `len(path)` positions per layer; the root's entries (row 0) are
+    already at `start`. A row's slot is never before its position, so reading
+    all sources before writing (advanced indexing gathers a copy) is safe.
+    """
+    keep = start + 1 + len(path)
+    if path and any(row != i for i, row in enumerate(path)):
+        source = torch.tensor([start + 1 + row for row in path])
+        for i in layers:
+            for buffer in (cache.keys[i], cache.values[i]):
+                if buffer is not None:
+                    buffer[:, :, start + 1 : keep] = buffer[:, :, source.to(buffer.device)]
+    cache.crop(keep)

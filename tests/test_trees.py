@@ -1,0 +1,166 @@
+"""Token trees (`tree.py`): a verify pass over a tree equals a chain pass over each of its paths.
+
+- the tree itself: trie merging, depths, what each row sees, paths;
+- float64, every architecture: each row's logits from one tree pass equal
+  those of a chain pass over that row's path, and after keeping a path that
+  is not the first, the compacted cache equals the cache a chain pass over
+  that path writes;
+- greedy generation with n-gram trees equals `model.generate`, and a kept
+  path does leave the first branch somewhere (so compaction really moves
+  entries);
+- a tree is refused without n-grams; sampling and the static step draft chains.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import selfspec
+import selfspec.engine
+from plan_strategies import assert_same
+from selfspec.passes import TargetPasses
+from selfspec.runner import LayerRunner
+from selfspec.testing import TINY_CONFIGS, has_window, random_prompt, tiny_model
+from selfspec.tree import TokenTree, accept_tree_greedy, compact
+
+ARCHS = sorted(TINY_CONFIGS)
+# float64 models, but Gemma 2's attention takes its softmax in float32: sums over more (masked) keys round
+# differently there, at ~1e-7. A wrong mask or a misplaced entry differs at ~1e-1.
+TOLERANCE = 1e-6
+
+
+def model_for(arch: str):
+    return tiny_model(arch, torch.float64, window=4 if has_window(arch) else None)
+
+
+def test_tree_from_paths_merges_prefixes_and_cuts_at_the_budget():
+    tree = TokenTree.from_paths([[5, 6, 7], [5, 8], [9, 6]], max_nodes=10)
+    assert tree.tokens == (5, 6, 7, 8, 9, 6) and tree.parents == (-1, 0, 1, 0, -1, 4)
+    assert tree.depths() == [0, 1, 2, 3, 2, 1, 2] and not tree.is_chain
+    assert tree.path_to(2) == [0, 1, 2] and tree.path_to(5) == [4, 5] and tree.path_to(-1) == []
+    seen = tree.visibility()
+    assert seen[3].tolist() == [True, True, True, True, False, False, False]  # node 2 (row 3): root, 0, 1, itself
+    assert seen[6].tolist() == [True, False, False, False, False, True, True]  # node 5: root, node 4, itself
+    assert TokenTree.from_paths([[5, 6, 7], [5, 8]], max_nodes=3).tokens == (5, 6, 7)
+    assert TokenTree.from_paths([[1, 2, 3]], max_nodes=9).is_chain
+    with pytest.raises(ValueError, match="parents come before their children"):
+        TokenTree((1, 2), (-1, 1))
+
+
+def test_accept_tree_greedy_follows_the_targets_choices():
+    tree = TokenTree.from_paths([[5, 6, 7], [5, 8, 2]], max_nodes=10)  # nodes: 5, 6, 7, 8, 2
+    scores = torch.full((6, 10), -1.0)
+    for row, choice in {0: 5, 1: 8, 4: 2, 5: 3}.items():  # the target: 5, then 8 (second branch), 2, then 3
+        scores[row, choice] = 1.0
+    path, nxt = accept_tree_greedy(tree, scores)
+    assert path == [0, 3, 4] and tree.path_tokens(path) == [5, 8, 2] and nxt == 3
+    scores[0] = -1.0
+    scores[0, 9] = 1.0
+    assert accept_tree_greedy(tree, scores) == ([], 9)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_tree_pass_equals_a_chain_pass_per_path_and_compaction_equals_the_chain_cache(arch):
+    model = model_for(arch)
+    spec = selfspec.wrap(model, plan=selfspec.DraftPlan.plain())
+    layers = spec.parts.num_layers
+    passes = TargetPasses(layers, exact_prefix=0)
+    prompt = random_prompt(11, seed=7)[0].tolist()
+    start = len(prompt)
+    tree = TokenTree.from_paths([[3, 4, 5], [3, 6, 7, 8], [9, 10]], max_nodes=12)
+
+    def prefilled() -> LayerRunner:
+        runner = LayerRunner(spec.parts, capacity=40)
+        runner.run(runner.embed(prompt, 0), range(layers), 0)
+        return runner
+
+    last = 2  # the last emitted token (the root)
+    runner = prefilled()
+    logits = passes.verify_tree(runner, torch.tensor([[last, *tree.tokens]]), tree, start).logits  # [n+1, vocab]
+    for node in range(len(tree)):
+        path = tree.path_to(node)
+        chain = prefilled()
+        expected = passes.verify(chain, torch.tensor([[last, *tree.path_tokens(path)]]), [], start).logits
+        assert torch.allclose(logits[node + 1], expected[-1], atol=TOLERANCE), f"{arch}: node {node}"
+    assert torch.allclose(logits[0], expected[0], atol=TOLERANCE)
+
+    keep_path = tree.path_to(5)  # 3, 6, 7, 8: the second branch, whose slots are not its positions
+    compact(runner.cache, start=start, path=keep_path, layers=range(layers))
+    chain = prefilled()
+    passes.verify(chain, torch.tensor([[last, *tree.path_tokens(keep_path)]]), [], start)
+    for i in range(layers):
+        assert runner.cache.lengths[i] == chain.cache.lengths[i] == start + 1 + len(keep_path)
+        for ours, theirs in zip(runner.cache.entries(i), chain.cache.entries(i)):
+            assert torch.allclose(ours, theirs, atol=TOLERANCE), f"{arch}: layer {i} after compaction"
+
+
+def repetitive_prompt(seed: int) -> torch.Tensor:
+    """A prompt whose last tokens occurred twice before, with different continuations."""
+    base = random_prompt(6, seed=seed)[0].tolist()
+    return torch.tensor([base + [base[0], base[1], 7] + base + [base[0], base[1], 9, 3] + base[:3]])
+
+
+TREE_PLANS = [
+    selfspec.DraftPlan(ngram=2, tree=10, draft_length=5, policy="fixed"),
+    selfspec.DraftPlan(ngram=1, tree=12, exit_layer=2, draft_length=4, policy="fixed"),
+    selfspec.DraftPlan(ngram=3, tree=8, layers=[0, 2], draft_length=6),
+]
+
+
+def test_tree_generation_equals_generate_and_leaves_the_first_branch(monkeypatch):
+    off_branch = []
+    original = selfspec.engine.compact
+
+    def recording(cache, *, start, path, layers):
+        off_branch.append(any(node != i for i, node in enumerate(path)))
+        return original(cache, start=start, path=path, layers=layers)
+
+    monkeypatch.setattr(selfspec.engine, "compact", recording)
+    trees = 0
+    for arch in ARCHS:
+        model = model_for(arch)
+        for seed in (3, 4):
+            prompt = repetitive_prompt(seed)
+            ref = model.generate(prompt, do_sample=False, max_new_tokens=40)
+            for plan in TREE_PLANS:
+                spec = selfspec.wrap(model, plan=plan, costs="flat")
+                assert_same(spec.generate(prompt, max_new_tokens=40), ref, f"{arch}: {plan}")
+                trees += spec.last_stats.tree_rounds
+    assert trees > 50 and any(off_branch), (trees, sum(off_branch))
+
+
+def test_tree_stats_and_description():
+    model = model_for("gpt2")
+    spec = selfspec.wrap(model, plan=TREE_PLANS[0], costs="flat")
+    spec.generate(repetitive_prompt(3), max_new_tokens=40)
+    stats = spec.last_stats
+    assert stats.tree_rounds > 0 and stats.tree_nodes >= 2 * stats.tree_rounds
+    assert "token trees:" in str(stats) and "as a tree of up to 10 nodes" in spec.describe_plan()
+
+
+def test_trees_need_ngrams():
+    with pytest.raises(ValueError, match="tree=6 needs ngram=N"):
+        selfspec.DraftPlan(exit_layer=2, tree=6)
+    with pytest.raises(ValueError, match=r"tree=-1 out of range \(valid: 0..64\)"):
+        selfspec.DraftPlan(ngram=2, tree=-1)
+
+
+def test_costly_wide_passes_keep_trees_off():
+    """Where q tokens cost q steps, a tree never verifies within 5% of its chain: chains only."""
+    model = model_for("gpt2")
+    spec = selfspec.wrap(model, plan=selfspec.DraftPlan(ngram=2, tree=10, draft_length=5), costs="linear")
+    spec.generate(repetitive_prompt(3), max_new_tokens=40)
+    assert spec.last_stats.tree_rounds == 0
+
+
+@pytest.mark.parametrize("step", ["eager", "static"])
+def test_sampling_and_the_static_step_draft_chains(step):
+    model = model_for("gpt2")
+    spec = selfspec.wrap(model, plan=TREE_PLANS[0], costs="flat", step=step)
+    spec.generate(repetitive_prompt(3), max_new_tokens=30, do_sample=True, generator=torch.Generator().manual_seed(0))
+    assert spec.last_stats.tree_rounds == 0
+    if step == "static":
+        ref = model.generate(repetitive_prompt(3), do_sample=False, max_new_tokens=30)
+        assert_same(spec.generate(repetitive_prompt(3), max_new_tokens=30), ref, "static")
+        assert spec.last_stats.tree_rounds == 0 and spec.last_stats.ngram_drafted > 0
