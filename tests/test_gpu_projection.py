@@ -32,7 +32,7 @@ def test_all_accepted_free_drafts_flat_verify(tmp_path, monkeypatch, capsys):
     write_profile(tmp_path, {"layers 4 4": 10}, draft_layers=1)
     gpu_check.projection(measured({1: 0.0, 29: 0.0}, {2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0}))
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("PROJECTION p:"))
-    assert "k=4" in line and "5.00 tokens per pass" in line and "5.00x HF static+compile" in line
+    assert "k=4 for layer rounds, 5.00 tokens per pass" in line and "5.00x HF static+compile" in line
 
 
 def test_costly_drafts_project_plain_decoding(tmp_path, monkeypatch, capsys):
@@ -41,7 +41,7 @@ def test_costly_drafts_project_plain_decoding(tmp_path, monkeypatch, capsys):
     write_profile(tmp_path, {"layers 2 0": 5, "layers 2 1": 5}, draft_layers=29)
     gpu_check.projection(measured({1: 1.0, 29: 1.0}, {2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0}))
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("PROJECTION p:"))
-    assert "k=0" in line and "1.00x HF static+compile" in line
+    assert "k=0 for layer rounds" in line and "1.00x HF static+compile" in line
 
 
 def test_ngram_rounds_draft_for_free_and_widths_cost_their_bucket(tmp_path, monkeypatch, capsys):
@@ -53,10 +53,19 @@ def test_ngram_rounds_draft_for_free_and_widths_cost_their_bucket(tmp_path, monk
     write_profile(tmp_path, {"ngram 3 2": 4}, draft_layers=0)
     gpu_check.projection(measured({1: 1.0}, {2: 1.2, 4: 1.5, 8: 2.0, 16: 3.0}))
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("PROJECTION p:"))
-    assert "k=2, 3.00 tokens per pass, 2.00x HF static+compile" in line
+    assert "k=2 for n-gram rounds" in line and "3.00 tokens per pass, 2.00x HF static+compile" in line
 
 
 def test_verify_cost_uses_the_bucket():
     verify = {2: 1.1, 4: 1.2, 8: 1.3, 16: 1.4}
     assert [gpu_check.verify_cost(verify, q) for q in (1, 2, 3, 5, 9, 17)] == [1.0, 1.1, 1.2, 1.3, 1.4, 1.4]
     assert gpu_check.interpolate({1: 0.1, 29: 1.0}, 15) == pytest.approx(0.1 + 0.9 * 14 / 28)
+
+
+def test_each_source_gets_its_own_length(tmp_path, monkeypatch, capsys):
+    """n-gram rounds pay (free drafts, all kept), layer rounds do not (a drafted token costs a step, none kept)."""
+    monkeypatch.setattr(gpu_check, "DATA", tmp_path)
+    write_profile(tmp_path, {"ngram 4 4": 5, "layers 4 0": 5}, draft_layers=29)
+    gpu_check.projection(measured({1: 1.0, 29: 1.0}, {2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0}))
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("PROJECTION p:"))
+    assert "k=4 for n-gram rounds, k=0 for layer rounds, 3.00 tokens per pass, 3.00x" in line
