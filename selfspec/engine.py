@@ -42,7 +42,7 @@ from .head import ExitHead, load_head
 from .hf_generation import GenerationSettings, resolve_settings
 from .memory import MemoryReport, memory_report
 from .parts import ModelParts, text_config
-from .passes import Checked, TargetPasses
+from .passes import TargetPasses
 from .plan import DraftPlan
 from .policy import AdaptivePolicy, CostPolicy
 from .quant import describe_quantization
@@ -51,7 +51,7 @@ from .runner import LayerRunner
 from .scoring import Scorer
 from .static import GraphedRunner, StaticRunner
 from .static_loop import run_static_rounds
-from .tree import accept_tree_greedy, compact
+from .tree import accept_tree_greedy
 from .stats import GenerationStats
 from .vocab import DraftVocab, load_vocab
 
@@ -318,7 +318,8 @@ class SelfSpecModel:
             self._eager_rounds(runner, policy, scorer, out, stats, clock)
         else:
             run_static_rounds(runner=runner, drafter=self.drafter, passes=self.passes, policy=policy, scorer=scorer,
-                              out=out, stats=stats, draft_length=self.plan.draft_length, generator=generator)
+                              out=out, stats=stats, draft_length=self.plan.draft_length, generator=generator,
+                              tree_nodes=self.plan.tree)
         stats.step = runner.describe() if isinstance(runner, GraphedRunner) else self.step
         if isinstance(runner, GraphedRunner):
             stats.capture_seconds = runner.capture_seconds - capture_before
@@ -372,18 +373,9 @@ class SelfSpecModel:
         tree = draft.tree
         ids = torch.tensor([[out.tokens[-1], *tree.tokens]], device=runner.positions.device)  # [1, n+1]
         checked = self.passes.verify_tree(runner, ids, tree, start)
-        scores = checked.logits
-        if scorer.processors:  # row r is conditioned on the prefix and r's own ancestors
-            rows = [[]] + [tree.path_tokens(tree.path_to(i)) for i in range(len(tree))]
-            scores = torch.cat([scorer.scores(checked.logits[r : r + 1], out.tokens + row, len(out.tokens) + len(row))
-                                for r, row in enumerate(rows)])
+        scores = scorer.tree_scores(checked.logits, out.tokens, tree)  # [n+1, vocab]
         path, next_token = accept_tree_greedy(tree, scores)
-        keep = start + 1 + len(path)
-        compact(runner.cache, start=start, path=path, layers=range(self.parts.num_layers))
-        if checked.exit_states is not None:  # the head's cache: the states of the root and the kept path, in order
-            rows = torch.tensor([0] + [node + 1 for node in path], device=checked.exit_states.device)
-            checked = Checked(checked.logits, checked.exit_states[:, rows])
-        self.passes.fill_head(runner, checked, start, keep)
+        self.passes.keep_tree_path(runner, checked, tree, path, start)
         verify_seconds = clock.lap()
         out.emit(tree.path_tokens(path) + [next_token])
         stats.record_round(drafted=len(tree), accepted=len(path), draft_seconds=draft_seconds,

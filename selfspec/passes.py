@@ -23,7 +23,7 @@ import torch
 
 from .head import ExitHead
 from .runner import LayerRunner
-from .tree import TokenTree
+from .tree import TokenTree, compact
 
 
 @dataclass
@@ -88,6 +88,19 @@ class TargetPasses:
             hidden = exit_states = runner.run(hidden, range(self.head.exit_layer), start, tree)
             s = self.head.exit_layer
         return Checked(runner.logits(runner.run(hidden, range(s, self.num_layers), start, tree)), exit_states)
+
+    def keep_tree_path(self, runner: LayerRunner, checked: Checked, tree: TokenTree, path: list[int], start: int) -> int:
+        """After a tree's verify pass: move the kept `path`'s entries into place, give the head its entries.
+
+        Returns the number of positions the cache now holds (start + 1 + len(path)).
+        """
+        keep = start + 1 + len(path)
+        compact(runner.cache, start=start, path=path, layers=range(self.num_layers))
+        if checked.exit_states is not None:  # the head's cache: the states of the root and the kept path, in order
+            rows = torch.tensor([0] + [node + 1 for node in path], device=checked.exit_states.device)
+            checked = Checked(checked.logits, checked.exit_states[:, rows])
+        self.fill_head(runner, checked, start, keep)
+        return keep
 
     def fill_head(self, runner: LayerRunner, checked: Checked, start: int, keep: int) -> None:
         """After the roll back to `keep` positions: give the head entries for the verified tokens it lacks."""

@@ -30,6 +30,14 @@ class Scorer:
         rows = [self.processors(tokens[None, : first + j], logits[j : j + 1]) for j in range(logits.shape[0])]
         return torch.cat(rows)
 
+    def tree_scores(self, logits: torch.Tensor, tokens: list[int], tree) -> torch.Tensor:
+        """Processed scores `[n+1, vocab]` of a token tree's rows: row r is conditioned on `tokens` and r's ancestors."""
+        if not self.processors:
+            return logits
+        rows = [[]] + [tree.path_tokens(tree.path_to(i)) for i in range(len(tree))]
+        return torch.cat([self.scores(logits[r : r + 1], tokens + row, len(tokens) + len(row))
+                          for r, row in enumerate(rows)])
+
     def probs(self, scores: torch.Tensor) -> torch.Tensor:
         return torch.softmax(scores, dim=-1)
 

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from .cache import StaticKVCache
 from .parts import ModelParts
 from .runner import LayerRunner
+from .tree import TokenTree
 
 SPAN_STEP = 64  # uncaptured passes attend to the used positions, rounded up to a multiple of this
 MAX_GRAPHS = 64  # captured passes per runner; past it, passes run uncaptured
@@ -67,8 +68,12 @@ class StaticRunner(LayerRunner):
         self.offsets = torch.arange(self.largest, device=device)  # [largest]
         self.key_positions = self.positions[0]  # [capacity]
 
-    def run(self, hidden: torch.Tensor, layers, start: int) -> torch.Tensor:
-        """Run `layers` on `hidden` `[1, q, hidden]` at positions start..start+q-1, padded to its bucket."""
+    def run(self, hidden: torch.Tensor, layers, start: int, tree: TokenTree | None = None) -> torch.Tensor:
+        """Run `layers` on `hidden` `[1, q, hidden]` at positions start..start+q-1, padded to its bucket.
+
+        With a `tree` (`tree.py`), row r is written at slot start + r, sits at
+        start + its depth and sees the prefix and its ancestors (uncaptured).
+        """
         layers = tuple(layers)
         q = hidden.shape[1]
         if not layers:
@@ -83,26 +88,47 @@ class StaticRunner(LayerRunner):
         width = bucket(q, self.largest)
         if width > q:
             hidden = F.pad(hidden, (0, 0, 0, width - q))  # [1, width, hidden], zero rows after the real ones
-        out = self.fixed_pass(hidden, layers, start)  # [1, width, hidden]
+        out = self.fixed_pass(hidden, layers, start, self.tree_rows(tree, start, width))  # [1, width, hidden]
         for i in layers:
             self.cache.lengths[i] = start + q
         return out[:, :q]
 
-    def fixed_pass(self, hidden: torch.Tensor, layers: tuple[int, ...], start) -> torch.Tensor:
-        """`layers` on `hidden` `[1, width, hidden]` at start..start+width-1; `start` an int or a 0-d device tensor."""
+    def tree_rows(self, tree: TokenTree | None, start: int, width: int):
+        """For a tree pass: (`[width]` positions of the rows, `[width, width]` which rows each row sees); else None.
+
+        Padded rows sit at their slots and see only the prefix and themselves.
+        """
+        if tree is None:
+            return None
+        device = self.offsets.device
+        q = len(tree) + 1
+        depths = torch.tensor(tree.depths() + list(range(q, width)), device=device)  # [width]
+        visible = torch.eye(width, dtype=torch.bool, device=device)  # [width, width]
+        visible[:q, :q] = tree.visibility().to(device)
+        return start + depths, visible
+
+    def fixed_pass(self, hidden: torch.Tensor, layers: tuple[int, ...], start, tree_rows=None) -> torch.Tensor:
+        """`layers` on `hidden` `[1, width, hidden]` at start..start+width-1; `start` an int or a 0-d device tensor.
+
+        `tree_rows` (`tree_rows()`, uncaptured only): the rows' positions and visibility of a tree pass.
+        """
         width = hidden.shape[1]
         if width <= self.largest:
-            positions = self.offsets[:width] + start  # [width], on the device
+            slots = self.offsets[:width] + start  # [width], on the device
         else:  # a wide prefill: a plain range
-            positions = torch.arange(start, start + width, device=self.offsets.device)
-        self.cache.write_positions = positions
+            slots = torch.arange(start, start + width, device=self.offsets.device)
+        positions = slots if tree_rows is None else tree_rows[0]  # [width]: where each row sits
+        self.cache.write_positions = slots
         self.cache.span = self.span(start, width)
         rotary = {kind: (cos[:, positions], sin[:, positions]) for kind, (cos, sin) in self.rotary.items()}
         masks: dict[int | None, torch.Tensor] = {}
         for i in layers:
             window = self.windows[i]
             if window not in masks:
-                masks[window] = self.capacity_mask(positions, window)
+                if tree_rows is None:
+                    masks[window] = self.capacity_mask(positions, window)
+                else:
+                    masks[window] = self.tree_capacity_mask(start, *tree_rows, window)
             hidden = self.call(
                 self.layers[i],
                 hidden,
@@ -118,6 +144,18 @@ class StaticRunner(LayerRunner):
         if isinstance(start, torch.Tensor):  # captured: the start is not known on the host
             return self.cache.capacity
         return min(self.cache.capacity, -(-(start + width) // SPAN_STEP) * SPAN_STEP)
+
+    def tree_capacity_mask(self, start: int, rows: torch.Tensor, visible: torch.Tensor, window: int | None):
+        """`[1, 1, width, span]` mask of a tree pass: the prefix, then the slots each row sees."""
+        width = rows.shape[0]
+        slots = self.key_positions[None, : self.cache.span]  # [1, span]: slot indices
+        allowed = (slots < start).expand(width, -1).clone()  # [width, span]
+        allowed[:, start : start + width] = visible
+        if window is not None:
+            key_pos = self.key_positions[: self.cache.span].clone()
+            key_pos[start : start + width] = rows  # a slot's position is its row's
+            allowed &= key_pos[None] > rows[:, None] - window
+        return self.as_mask(allowed)
 
     def capacity_mask(self, positions: torch.Tensor, window: int | None) -> torch.Tensor:
         """`[1, 1, width, span]` mask: query at p sees keys k <= p (and p - k < window)."""
@@ -196,10 +234,10 @@ class GraphedRunner(StaticRunner):
         self.capture_seconds = 0.0
         self.graph_error: str | None = None
 
-    def fixed_pass(self, hidden: torch.Tensor, layers: tuple[int, ...], start) -> torch.Tensor:
+    def fixed_pass(self, hidden: torch.Tensor, layers: tuple[int, ...], start, tree_rows=None) -> torch.Tensor:
         width = hidden.shape[1]
-        if isinstance(start, torch.Tensor) or width > self.largest:  # inside a capture, or a wide prefill
-            return super().fixed_pass(hidden, layers, start)
+        if isinstance(start, torch.Tensor) or width > self.largest or tree_rows is not None:
+            return super().fixed_pass(hidden, layers, start, tree_rows)  # inside a capture, a wide prefill, a tree
         key = (layers, width)
         captured = self.graphs.get(key)
         if captured is not None:

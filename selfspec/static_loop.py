@@ -26,6 +26,7 @@ from .draft import Draft, Drafter
 from .passes import TargetPasses
 from .scoring import Scorer
 from .stats import GenerationStats
+from .tree import accept_tree_greedy_on_device
 
 
 class RoundClock:
@@ -57,8 +58,12 @@ def run_static_rounds(
     stats: GenerationStats,
     draft_length: int,
     generator: torch.Generator | None,
+    tree_nodes: int = 0,
 ) -> None:
-    """Decode until `out` is done; `out.tokens` ends with a token that is not in the cache yet."""
+    """Decode until `out` is done; `out.tokens` ends with a token that is not in the cache yet.
+
+    `tree_nodes`: n-gram proposals may be token trees (greedy; `tree.py`).
+    """
     device = runner.positions.device
     clock = RoundClock(device)
     last = torch.tensor([[out.tokens[-1]]], device=device)  # [1, 1]
@@ -69,7 +74,12 @@ def run_static_rounds(
         history = torch.tensor(out.tokens, device=device) if scorer.processors else None  # [n]
         began = clock.mark()
         # 1. draft: an n-gram match (decided on the host: it is free), else the plan's layers
-        copied = drafter.ngram_draft(out.tokens, policy, scorer, runner.parts.vocab_size, device)
+        copied = drafter.ngram_draft(out.tokens, policy, scorer, runner.parts.vocab_size, device,
+                                     tree_nodes=0 if scorer.do_sample else tree_nodes)
+        if copied is not None and copied.tree is not None:
+            static_tree_round(runner, passes, policy, scorer, out, stats, clock, copied, last, start, began)
+            last = torch.tensor([[out.tokens[-1]]], device=device)  # [1, 1]: read back with the round already
+            continue
         if copied is not None:
             drafted = torch.tensor(copied.tokens, device=device)  # [k]
             confidences, q, boundary = None, copied.probs, []
@@ -108,6 +118,27 @@ def run_static_rounds(
                            source=draft.source)
         policy.observe(draft, n, draft_seconds=draft_seconds, verify_seconds=verify_seconds, width=k + 1)
         last = next_token.view(1, 1)
+
+
+def static_tree_round(runner, passes: TargetPasses, policy, scorer: Scorer, out, stats: GenerationStats,
+                      clock: RoundClock, draft: Draft, last: torch.Tensor, start: int, began) -> None:
+    """One round that verifies an n-gram token tree: acceptance on the device, one read back, compaction."""
+    tree = draft.tree
+    drafted_at = clock.mark()
+    ids = torch.cat([last, torch.tensor([tree.tokens], device=last.device)], dim=1)  # [1, n+1]
+    checked = passes.verify_tree(runner, ids, tree, start)
+    scores = scorer.tree_scores(checked.logits, out.tokens, tree)  # [n+1, vocab]
+    kept, next_token = accept_tree_greedy_on_device(tree, scores)
+    verified_at = clock.mark()
+    values = torch.cat([kept.long(), next_token]).tolist()  # the round's one read back
+    path = [node for node, keep in enumerate(values[:-1]) if keep]
+    passes.keep_tree_path(runner, checked, tree, path, start)
+    out.emit(tree.path_tokens(path) + [values[-1]])
+    draft_seconds, verify_seconds = clock.seconds(began, drafted_at), clock.seconds(drafted_at, verified_at)
+    stats.record_round(drafted=len(tree), accepted=len(path), draft_seconds=draft_seconds,
+                       verify_seconds=verify_seconds, source="ngram tree")
+    on_chain = next((i for i, node in enumerate(path) if node != i), len(path))  # how far the first path was kept
+    policy.observe(draft, on_chain, draft_seconds=draft_seconds, verify_seconds=verify_seconds, width=len(tree) + 1)
 
 
 def draft_on_device(

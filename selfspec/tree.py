@@ -125,3 +125,24 @@ def compact(cache, *, start: int, path: list[int], layers) -> None:
                 if buffer is not None:
                     buffer[:, :, start + 1 : keep] = buffer[:, :, source.to(buffer.device)]
     cache.crop(keep)
+
+
+def accept_tree_greedy_on_device(tree: TokenTree, target_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`accept_tree_greedy` without a read back: (kept `[n]` bool, the next token `[1]`), on the device.
+
+    A node is kept when its token is the target's choice after its parent and
+    the same holds for all its ancestors; siblings hold different tokens, so
+    the kept nodes form one path, and the next token follows its deepest node.
+    """
+    device = target_scores.device
+    n = len(tree)
+    choices = target_scores.argmax(dim=-1)  # [n+1]
+    tokens = torch.tensor(tree.tokens, device=device)  # [n]
+    parent_rows = torch.tensor(tree.parents, device=device) + 1  # [n]
+    lineage = tree.visibility()[1:, 1:].to(device=device, dtype=torch.float32)  # [n, n]: self and ancestors
+    wrong = (tokens != choices[parent_rows]).float()  # [n]
+    kept = (lineage @ wrong) == 0  # [n]
+    depths = torch.tensor(tree.depths()[1:], device=device)  # [n]
+    deepest = torch.argmax(kept.long() * depths)  # 0-d: a node index (meaningless when nothing is kept)
+    row = torch.where(kept.any(), deepest + 1, torch.zeros_like(deepest))  # 0-d: the row the next token follows
+    return kept, choices.index_select(0, row.view(1)) if n else choices[:1]

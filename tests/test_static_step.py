@@ -239,7 +239,8 @@ def graphed(model, plan, monkeypatch, backend=ReplayingBackend):
 def test_graphed_runner_replays_equal_generate(arch, tmp_path, monkeypatch):
     model = model_for(arch)
     kinds = plan_kinds(model, tmp_path)
-    for name in ("head + vocab + n-grams", "cost policy", "layers 0,1,3,5, k=9", "plain"):
+    kinds["n-gram tree"] = selfspec.DraftPlan(ngram=1, tree=10, draft_length=5, policy="fixed")  # trees: uncaptured
+    for name in ("head + vocab + n-grams", "cost policy", "layers 0,1,3,5, k=9", "n-gram tree", "plain"):
         spec = graphed(model, kinds[name], monkeypatch)
         ReplayingBackend.replays = 0
         for length, new in ((5, 40), (70, 30), (6, 25)):

@@ -8,7 +8,9 @@
 - greedy generation with n-gram trees equals `model.generate`, and a kept
   path does leave the first branch somewhere (so compaction really moves
   entries);
-- a tree is refused without n-grams; sampling and the static step draft chains.
+- the static step verifies trees too (acceptance on the device, one read
+  back), and equals `model.generate`;
+- a tree is refused without n-grams; sampling drafts chains.
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ import pytest
 import torch
 
 import selfspec
-import selfspec.engine
+import selfspec.passes
 from plan_strategies import assert_same
 from selfspec.passes import TargetPasses
 from selfspec.runner import LayerRunner
 from selfspec.testing import TINY_CONFIGS, has_window, random_prompt, tiny_model
-from selfspec.tree import TokenTree, accept_tree_greedy, compact
+from selfspec.tree import TokenTree, accept_tree_greedy, accept_tree_greedy_on_device, compact
 
 ARCHS = sorted(TINY_CONFIGS)
 # float64 models, but Gemma 2's attention takes its softmax in float32: sums over more (masked) keys round
@@ -110,13 +112,13 @@ TREE_PLANS = [
 
 def test_tree_generation_equals_generate_and_leaves_the_first_branch(monkeypatch):
     off_branch = []
-    original = selfspec.engine.compact
+    original = selfspec.passes.compact
 
     def recording(cache, *, start, path, layers):
         off_branch.append(any(node != i for i, node in enumerate(path)))
         return original(cache, start=start, path=path, layers=layers)
 
-    monkeypatch.setattr(selfspec.engine, "compact", recording)
+    monkeypatch.setattr(selfspec.passes, "compact", recording)
     trees = 0
     for arch in ARCHS:
         model = model_for(arch)
@@ -154,13 +156,34 @@ def test_costly_wide_passes_keep_trees_off():
     assert spec.last_stats.tree_rounds == 0
 
 
-@pytest.mark.parametrize("step", ["eager", "static"])
-def test_sampling_and_the_static_step_draft_chains(step):
+def test_sampling_drafts_chains():
     model = model_for("gpt2")
-    spec = selfspec.wrap(model, plan=TREE_PLANS[0], costs="flat", step=step)
+    spec = selfspec.wrap(model, plan=TREE_PLANS[0], costs="flat")
     spec.generate(repetitive_prompt(3), max_new_tokens=30, do_sample=True, generator=torch.Generator().manual_seed(0))
-    assert spec.last_stats.tree_rounds == 0
-    if step == "static":
-        ref = model.generate(repetitive_prompt(3), do_sample=False, max_new_tokens=30)
-        assert_same(spec.generate(repetitive_prompt(3), max_new_tokens=30), ref, "static")
-        assert spec.last_stats.tree_rounds == 0 and spec.last_stats.ngram_drafted > 0
+    assert spec.last_stats.tree_rounds == 0 and spec.last_stats.ngram_drafted > 0
+
+
+def test_static_step_verifies_trees_and_equals_generate():
+    rounds = 0
+    for arch in ARCHS:
+        model = model_for(arch)
+        prompt = repetitive_prompt(4)
+        ref = model.generate(prompt, do_sample=False, max_new_tokens=40)
+        for plan in TREE_PLANS[:2]:
+            spec = selfspec.wrap(model, plan=plan, costs="flat", step="static")
+            assert_same(spec.generate(prompt, max_new_tokens=40), ref, f"{arch}, static: {plan}")
+            rounds += spec.last_stats.tree_rounds
+    assert rounds > 20
+
+
+def test_device_acceptance_equals_the_host_rule():
+    tree = TokenTree.from_paths([[5, 6, 7], [5, 8, 2], [3, 1], [5, 6, 4]], max_nodes=20)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        scores = torch.randn(len(tree) + 1, 10, generator=generator)
+        for row in range(len(tree) + 1):  # bias rows toward the tree's tokens so that paths get kept
+            if torch.rand(1, generator=generator) < 0.7:
+                scores[row, tree.tokens[int(torch.randint(len(tree), (1,), generator=generator))]] += 5
+        path, nxt = accept_tree_greedy(tree, scores)
+        kept, next_token = accept_tree_greedy_on_device(tree, scores)
+        assert [i for i, k in enumerate(kept.tolist()) if k] == path and int(next_token) == nxt
