@@ -72,7 +72,7 @@ class StaticRunner(LayerRunner):
         """Run `layers` on `hidden` `[1, q, hidden]` at positions start..start+q-1, padded to its bucket.
 
         With a `tree` (`tree.py`), row r is written at slot start + r, sits at
-        start + its depth and sees the prefix and its ancestors (uncaptured).
+        start + its depth and sees the prefix and its ancestors.
         """
         layers = tuple(layers)
         q = hidden.shape[1]
@@ -110,7 +110,7 @@ class StaticRunner(LayerRunner):
     def fixed_pass(self, hidden: torch.Tensor, layers: tuple[int, ...], start, tree_rows=None) -> torch.Tensor:
         """`layers` on `hidden` `[1, width, hidden]` at start..start+width-1; `start` an int or a 0-d device tensor.
 
-        `tree_rows` (`tree_rows()`, uncaptured only): the rows' positions and visibility of a tree pass.
+        `tree_rows` (`tree_rows()`): the rows' positions and visibility of a tree pass.
         """
         width = hidden.shape[1]
         if width <= self.largest:
@@ -145,15 +145,19 @@ class StaticRunner(LayerRunner):
             return self.cache.capacity
         return min(self.cache.capacity, -(-(start + width) // SPAN_STEP) * SPAN_STEP)
 
-    def tree_capacity_mask(self, start: int, rows: torch.Tensor, visible: torch.Tensor, window: int | None):
-        """`[1, 1, width, span]` mask of a tree pass: the prefix, then the slots each row sees."""
+    def tree_capacity_mask(self, start, rows: torch.Tensor, visible: torch.Tensor, window: int | None):
+        """`[1, 1, width, span]` mask of a tree pass: the prefix, then the slots each row sees.
+
+        Built on the device from `start` (an int or a 0-d tensor), so a tree pass can be captured too.
+        """
         width = rows.shape[0]
-        slots = self.key_positions[None, : self.cache.span]  # [1, span]: slot indices
-        allowed = (slots < start).expand(width, -1).clone()  # [width, span]
-        allowed[:, start : start + width] = visible
+        slots = self.key_positions[: self.cache.span]  # [span]: slot indices
+        relative = slots - start  # [span]: the row a slot holds, if 0 <= it < width
+        inside = (relative >= 0) & (relative < width)
+        row_of = relative.clamp(0, width - 1)
+        allowed = (relative < 0)[None] | (inside[None] & visible[:, row_of])  # [width, span]
         if window is not None:
-            key_pos = self.key_positions[: self.cache.span].clone()
-            key_pos[start : start + width] = rows  # a slot's position is its row's
+            key_pos = torch.where(inside, rows[row_of], slots)  # [span]: a slot's position is its row's
             allowed &= key_pos[None] > rows[:, None] - window
         return self.as_mask(allowed)
 
@@ -168,17 +172,24 @@ class StaticRunner(LayerRunner):
 
 
 class CapturedPass:
-    """One CUDA graph: its input buffers, its output, and the graph to replay."""
+    """One CUDA graph: its input buffers, its output, and the graph to replay.
 
-    def __init__(self, graph, hidden: torch.Tensor, start: torch.Tensor, output: torch.Tensor) -> None:
+    The buffers are the hidden states `[1, width, hidden]`, the first slot
+    (0-d int64) and, for a tree pass, the rows' positions `[width]` and
+    visibility `[width, width]`: a replay copies the call's values into them.
+    """
+
+    def __init__(self, graph, buffers: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         self.graph = graph
-        self.hidden = hidden  # [1, width, hidden]: copy the input here before a replay
-        self.start = start  # 0-d int64: the pass's first position
+        self.buffers = buffers
         self.output = output  # [1, width, hidden]: valid after a replay, until the next one
 
-    def replay(self, hidden: torch.Tensor, start: int) -> torch.Tensor:
-        self.hidden.copy_(hidden)
-        self.start.fill_(start)
+    def replay(self, *values) -> torch.Tensor:
+        for buffer, value in zip(self.buffers, values):
+            if isinstance(value, torch.Tensor):
+                buffer.copy_(value)
+            else:
+                buffer.fill_(value)
         self.graph.replay()
         return self.output.clone()  # the next replay overwrites the output
 
@@ -236,25 +247,26 @@ class GraphedRunner(StaticRunner):
 
     def fixed_pass(self, hidden: torch.Tensor, layers: tuple[int, ...], start, tree_rows=None) -> torch.Tensor:
         width = hidden.shape[1]
-        if isinstance(start, torch.Tensor) or width > self.largest or tree_rows is not None:
-            return super().fixed_pass(hidden, layers, start, tree_rows)  # inside a capture, a wide prefill, a tree
-        key = (layers, width)
+        if isinstance(start, torch.Tensor) or width > self.largest:  # inside a capture, or a wide prefill
+            return super().fixed_pass(hidden, layers, start, tree_rows)
+        key = (layers, width, tree_rows is not None)
         captured = self.graphs.get(key)
         if captured is not None:
-            return captured.replay(hidden, start)
+            return captured.replay(hidden, start, *(tree_rows or ()))
         if self.graph_error is not None or len(self.graphs) >= MAX_GRAPHS or self.capture_seconds > MAX_CAPTURE_SECONDS:
-            return super().fixed_pass(hidden, layers, start)
-        return self.capture(key, hidden, start)
+            return super().fixed_pass(hidden, layers, start, tree_rows)
+        return self.capture(key, hidden, start, tree_rows)
 
-    def capture(self, key: tuple, hidden: torch.Tensor, start: int) -> torch.Tensor:
+    def capture(self, key: tuple, hidden: torch.Tensor, start: int, tree_rows=None) -> torch.Tensor:
         """Run the pass (its result is this call's), then record it as a graph for the next calls."""
-        layers, _ = key
+        layers = key[0]
         began = time.perf_counter()
         static_hidden = hidden.clone()  # [1, width, hidden]: the graph's input buffer
-        static_start = torch.tensor(start, device=hidden.device)  # 0-d: the graph's first position
+        static_start = torch.tensor(start, device=hidden.device)  # 0-d: the graph's first slot
+        static_tree = None if tree_rows is None else tuple(t.clone() for t in tree_rows)  # rows' positions, visibility
 
         def run() -> torch.Tensor:
-            return StaticRunner.fixed_pass(self, static_hidden, layers, static_start)
+            return StaticRunner.fixed_pass(self, static_hidden, layers, static_start, static_tree)
 
         with self.backend.warm_up():  # the real pass: this call's result
             result = run().clone()
@@ -264,7 +276,7 @@ class GraphedRunner(StaticRunner):
             self.graph_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             self.backend.synchronize()
             return result
-        self.graphs[key] = CapturedPass(graph, static_hidden, static_start, output)
+        self.graphs[key] = CapturedPass(graph, (static_hidden, static_start, *(static_tree or ())), output)
         self.backend.synchronize()
         self.capture_seconds += time.perf_counter() - began
         return result

@@ -239,8 +239,7 @@ def graphed(model, plan, monkeypatch, backend=ReplayingBackend):
 def test_graphed_runner_replays_equal_generate(arch, tmp_path, monkeypatch):
     model = model_for(arch)
     kinds = plan_kinds(model, tmp_path)
-    kinds["n-gram tree"] = selfspec.DraftPlan(ngram=1, tree=10, draft_length=5, policy="fixed")  # trees: uncaptured
-    for name in ("head + vocab + n-grams", "cost policy", "layers 0,1,3,5, k=9", "n-gram tree", "plain"):
+    for name in ("head + vocab + n-grams", "cost policy", "layers 0,1,3,5, k=9", "plain"):
         spec = graphed(model, kinds[name], monkeypatch)
         ReplayingBackend.replays = 0
         for length, new in ((5, 40), (70, 30), (6, 25)):
@@ -267,3 +266,19 @@ def test_a_pass_that_cannot_be_captured_turns_graphs_off_with_the_reason(monkeyp
     ref = model.generate(prompt, do_sample=False, max_new_tokens=30)
     assert_same(spec.generate(prompt, max_new_tokens=30), ref, plan)
     assert spec.last_stats.step == "static, CUDA graphs off (RuntimeError: operation not permitted when stream is capturing)"
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gpt2"])
+def test_graphed_tree_passes_are_captured_and_replayed(arch, monkeypatch):
+    """A tree pass is captured per width; replays take each tree's positions and visibility as inputs."""
+    model = model_for(arch)
+    plan = selfspec.DraftPlan(ngram=1, tree=12, draft_length=5, policy="fixed")
+    spec = graphed(model, plan, monkeypatch)
+    trees = 0
+    for seed in (3, 4, 5):
+        base = random_prompt(6, seed=seed)[0].tolist()
+        prompt = torch.tensor([base + [base[0], base[1], 7] + base + [base[0], base[1], 9, 3] + base[:3]])
+        ref = model.generate(prompt, do_sample=False, max_new_tokens=40)
+        assert_same(spec.generate(prompt, max_new_tokens=40), ref, f"{arch}, seed {seed}")
+        trees += spec.last_stats.tree_rounds
+    assert trees > 3 and any(key[2] for key in spec.graphed.graphs), sorted(spec.graphed.graphs)
