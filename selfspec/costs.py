@@ -147,8 +147,13 @@ def measure_pass_costs(
     vocab_size: int,
     max_width: int,
     repeats: int = 2,
+    bucketed: bool = False,
 ) -> PassCosts:
     """Time full passes over 1, 2, 4, 8, ... and `max_width` tokens, and one draft step.
+
+    `bucketed`: the runner pads a pass to the next power of two (the static
+    step), so a width between two measured ones costs what the wider does;
+    otherwise widths between are interpolated linearly.
 
     `runner_for(capacity)` makes a `LayerRunner` on the shared-cache layout;
     `draft_step(runner, position)` runs one drafted token at `position` (it may
@@ -186,7 +191,7 @@ def measure_pass_costs(
             if i:
                 best[name] = min(best[name], time.perf_counter() - start)
             runner.cache.crop(context)
-    verify = _interpolate({q: best[q] for q in widths}, max_width)
+    verify = _interpolate({q: best[q] for q in widths}, max_width, step_up=bucketed)
     step = best.get("draft", 0.0)
     return PassCosts(
         verify,
@@ -197,14 +202,18 @@ def measure_pass_costs(
     )
 
 
-def _interpolate(measured: dict[int, float], max_width: int) -> tuple[float, ...]:
-    """Seconds for every width 1..max_width, linear between measured widths, never decreasing."""
+def _interpolate(measured: dict[int, float], max_width: int, *, step_up: bool = False) -> tuple[float, ...]:
+    """Seconds for every width 1..max_width, never decreasing: linear between measured widths, or (`step_up`)
+    the cost of the next measured width."""
     points = sorted(measured.items())
     out, floor = [], 0.0
     for q in range(1, max_width + 1):
         lo = max((p for p in points if p[0] <= q), default=points[0])
         hi = min((p for p in points if p[0] >= q), default=points[-1])
-        value = lo[1] if hi[0] == lo[0] else lo[1] + (hi[1] - lo[1]) * (q - lo[0]) / (hi[0] - lo[0])
+        if step_up:
+            value = hi[1]
+        else:
+            value = lo[1] if hi[0] == lo[0] else lo[1] + (hi[1] - lo[1]) * (q - lo[0]) / (hi[0] - lo[0])
         floor = max(floor, value)
         out.append(floor)
     return tuple(out)

@@ -196,6 +196,7 @@ class SelfSpecModel:
                 vocab_size=self.parts.vocab_size,
                 max_width=self.max_width,
                 repeats=repeats,
+                bucketed=self.step != "eager",  # the static step pads a pass to its bucket
             )
 
         if not cached:

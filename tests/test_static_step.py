@@ -155,6 +155,14 @@ def test_eager_step_reads_back_per_drafted_token(monkeypatch):
     assert reads > spec.last_stats.rounds + spec.last_stats.drafted
 
 
+def test_bucketed_cost_tables_step_up_to_the_next_measured_width():
+    from selfspec.costs import _interpolate
+
+    measured = {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}
+    assert _interpolate(measured, 8, step_up=True) == (1.0, 2.0, 4.0, 4.0, 8.0, 8.0, 8.0, 8.0)
+    assert _interpolate(measured, 8) == (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0)
+
+
 def test_buckets():
     assert [bucket(q, 16) for q in (1, 2, 3, 4, 5, 8, 9, 16, 17, 40)] == [1, 2, 4, 4, 8, 8, 16, 16, 17, 40]
     assert largest_bucket(5) == 16 and largest_bucket(17) == 32
@@ -187,6 +195,8 @@ def test_static_costs_are_measured_on_the_static_step():
     spec = selfspec.wrap(model, plan=selfspec.DraftPlan(exit_layer=2, draft_length=6), step="static")
     costs = spec.measure_costs(cached=False, repeats=1)
     assert len(costs.verify) == 7 and costs.draft_step > 0
+    # Widths 1, 2, 4 and 7 were timed; a pass over 3 runs at 4, over 5 or 6 at 8 (as 7 does).
+    assert costs.verify[2] == costs.verify[3] and costs.verify[4] == costs.verify[5] == costs.verify[6]
     assert spec._costs_key() != selfspec.wrap(model, plan=spec.plan, step="eager")._costs_key()
     spec.generate(random_prompt(8), max_new_tokens=20)
     assert spec.last_stats.costs and spec.last_stats.step == "static"
