@@ -51,6 +51,7 @@ class Drafter:
         layers = plan.draft_layers(num_layers)
         self.num_layers = num_layers
         self.ngram = plan.ngram
+        self.tree_nodes = plan.tree  # n-gram proposals may be token trees of up to this many nodes (greedy)
         self.has_layers = bool(layers)
         self.draft_layers = layers
         self.exact_prefix = plan.exact_prefix(num_layers)  # s
@@ -66,17 +67,16 @@ class Drafter:
                 )
             self.other_layers = (head.slot,)  # layers 0..E-1 are the exact prefix; then the head
 
-    def propose(self, runner: LayerRunner, scorer: Scorer, tokens: list[int], policy, *, tree_nodes: int = 0) -> Draft:
+    def propose(self, runner: LayerRunner, scorer: Scorer, tokens: list[int], policy) -> Draft:
         """Draft after `tokens` as far as `policy` says; the last of `tokens` is not in the cache yet.
 
         `policy` (`policy.py`) has had `begin_round(budget)` called. An n-gram
         match, when the plan looks for one, comes first: it is free, and the
         policy says how much of it to verify; when that is nothing, the layers
-        may draft. With `tree_nodes`, an n-gram proposal may be a tree of
+        may draft. With the plan's `tree`, an n-gram proposal may be a tree of
         several continuations (greedy only).
         """
-        copied = self.ngram_draft(tokens, policy, scorer, runner.parts.vocab_size, runner.positions.device,
-                                  tree_nodes=tree_nodes)
+        copied = self.ngram_draft(tokens, policy, scorer, runner.parts.vocab_size, runner.positions.device)
         if copied is not None:
             return copied
         start = len(tokens) - 1
@@ -98,17 +98,16 @@ class Drafter:
                 probs.append(q)
         return Draft(drafted, torch.stack(probs) if probs else None, boundary, confidences=confidences)
 
-    def ngram_draft(self, tokens: list[int], policy, scorer: Scorer, vocab_size: int, device, *,
-                    tree_nodes: int = 0) -> Draft | None:
+    def ngram_draft(self, tokens: list[int], policy, scorer: Scorer, vocab_size: int, device) -> Draft | None:
         """An n-gram proposal cut to the length `policy` finds worth verifying, or None (no match, or not worth it).
 
-        With `tree_nodes` (greedy only), other earlier matches' continuations
+        With the plan's `tree` (greedy only), other earlier matches' continuations
         join it as branches of a tree, as many nodes as `policy.tree_nodes` says
         verify at about the chain's cost.
         """
         if not self.ngram:
             return None
-        if tree_nodes and not scorer.do_sample:
+        if self.tree_nodes and not scorer.do_sample:
             paths, match_length = continuations(tokens, max_ngram=self.ngram, budget=policy.round_budget,
                                                 branches=TREE_BRANCHES)
         else:
@@ -120,7 +119,7 @@ class Drafter:
         if not copied:
             return None
         if len(paths) > 1:
-            nodes = policy.tree_nodes(len(copied), tree_nodes)
+            nodes = policy.tree_nodes(len(copied), self.tree_nodes)
             tree = TokenTree.from_paths([copied] + [p[: len(copied)] for p in paths[1:]], max_nodes=nodes)
             if not tree.is_chain:
                 return Draft(copied, None, [], source="ngram", match_length=match_length, tree=tree)

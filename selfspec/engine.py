@@ -51,8 +51,8 @@ from .runner import LayerRunner
 from .scoring import Scorer
 from .static import GraphedRunner, StaticRunner
 from .static_loop import run_static_rounds
-from .tree import accept_tree_greedy
 from .stats import GenerationStats
+from .tree import accept_tree_greedy
 from .vocab import DraftVocab, load_vocab
 
 STEPS = ("auto", "eager", "static", "graphs")
@@ -319,8 +319,7 @@ class SelfSpecModel:
             self._eager_rounds(runner, policy, scorer, out, stats, clock)
         else:
             run_static_rounds(runner=runner, drafter=self.drafter, passes=self.passes, policy=policy, scorer=scorer,
-                              out=out, stats=stats, draft_length=self.plan.draft_length, generator=generator,
-                              tree_nodes=self.plan.tree)
+                              out=out, stats=stats, draft_length=self.plan.draft_length, generator=generator)
         stats.step = runner.describe() if isinstance(runner, GraphedRunner) else self.step
         if isinstance(runner, GraphedRunner):
             stats.capture_seconds = runner.capture_seconds - capture_before
@@ -342,7 +341,7 @@ class SelfSpecModel:
             start = len(out.tokens) - 1  # position of the last emitted token, not in the cache yet
             policy.begin_round(min(self.plan.draft_length, out.remaining - 1))
             # 1. draft: an n-gram match, else the plan's layers, as far as the policy finds it pays
-            draft = self.drafter.propose(runner, scorer, out.tokens, policy, tree_nodes=self.plan.tree)
+            draft = self.drafter.propose(runner, scorer, out.tokens, policy)
             draft_seconds = clock.lap()
             if draft.tree is not None:  # several n-gram continuations at once (greedy)
                 self._tree_round(runner, draft, start, policy, scorer, out, stats, clock, draft_seconds)
@@ -382,8 +381,7 @@ class SelfSpecModel:
         stats.record_round(drafted=len(tree), accepted=len(path), draft_seconds=draft_seconds,
                            verify_seconds=verify_seconds, source="ngram tree")
         # The policy learns from the tree's first path (the chain it would have verified): how far it was kept.
-        on_chain = next((i for i, node in enumerate(path) if node != i), len(path))
-        policy.observe(draft, on_chain, draft_seconds=draft_seconds, verify_seconds=verify_seconds,
+        policy.observe(draft, tree.first_path_kept(path), draft_seconds=draft_seconds, verify_seconds=verify_seconds,
                        width=len(tree) + 1)
 
     def _check_prompt(self, input_ids, attention_mask) -> list[int]:

@@ -94,7 +94,9 @@ class LayerRunner:
         q = hidden.shape[1]
         rows = self.row_positions(start, q, tree)  # [q]
         position_ids = rows[None]  # [1, q]
-        rotary = {kind: tuple(t[:, rows] for t in table) for kind, table in self.rotary.items()}
+        # A chain's rows are a range: slice the tables (views); a tree's are gathered.
+        index = slice(start, start + q) if tree is None else rows
+        rotary = {kind: tuple(t[:, index] for t in table) for kind, table in self.rotary.items()}
         masks: dict[int | None, torch.Tensor | None] = {}
         for i in layers:
             if self.cache.lengths[i] != start:

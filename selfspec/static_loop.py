@@ -58,12 +58,8 @@ def run_static_rounds(
     stats: GenerationStats,
     draft_length: int,
     generator: torch.Generator | None,
-    tree_nodes: int = 0,
 ) -> None:
-    """Decode until `out` is done; `out.tokens` ends with a token that is not in the cache yet.
-
-    `tree_nodes`: n-gram proposals may be token trees (greedy; `tree.py`).
-    """
+    """Decode until `out` is done; `out.tokens` ends with a token that is not in the cache yet."""
     device = runner.positions.device
     clock = RoundClock(device)
     last = torch.tensor([[out.tokens[-1]]], device=device)  # [1, 1]
@@ -74,8 +70,7 @@ def run_static_rounds(
         history = torch.tensor(out.tokens, device=device) if scorer.processors else None  # [n]
         began = clock.mark()
         # 1. draft: an n-gram match (decided on the host: it is free), else the plan's layers
-        copied = drafter.ngram_draft(out.tokens, policy, scorer, runner.parts.vocab_size, device,
-                                     tree_nodes=0 if scorer.do_sample else tree_nodes)
+        copied = drafter.ngram_draft(out.tokens, policy, scorer, runner.parts.vocab_size, device)
         if copied is not None and copied.tree is not None:
             static_tree_round(runner, passes, policy, scorer, out, stats, clock, copied, last, start, began)
             last = torch.tensor([[out.tokens[-1]]], device=device)  # [1, 1]: read back with the round already
@@ -137,8 +132,8 @@ def static_tree_round(runner, passes: TargetPasses, policy, scorer: Scorer, out,
     draft_seconds, verify_seconds = clock.seconds(began, drafted_at), clock.seconds(drafted_at, verified_at)
     stats.record_round(drafted=len(tree), accepted=len(path), draft_seconds=draft_seconds,
                        verify_seconds=verify_seconds, source="ngram tree")
-    on_chain = next((i for i, node in enumerate(path) if node != i), len(path))  # how far the first path was kept
-    policy.observe(draft, on_chain, draft_seconds=draft_seconds, verify_seconds=verify_seconds, width=len(tree) + 1)
+    policy.observe(draft, tree.first_path_kept(path),  # the policy learns from the first path: how far it was kept
+                   draft_seconds=draft_seconds, verify_seconds=verify_seconds, width=len(tree) + 1)
 
 
 def draft_on_device(

@@ -19,6 +19,7 @@ it does not run layers or choose what to draft.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -64,13 +65,22 @@ class TokenTree:
 
     def depths(self) -> list[int]:
         """Depth of every row: 0 for the root x, 1 + the parent's for a node."""
-        depths = [0]
-        for parent in self.parents:
-            depths.append(depths[parent + 1] + 1)
-        return depths
+        return list(self._depths)
 
     def visibility(self) -> torch.Tensor:
         """`[n+1, n+1]` bool: row r sees row c iff c is r or one of its ancestors (row 0 is the root)."""
+        return self._visibility.clone()
+
+    # Computed once per tree: a round's passes (embedding, each run of layers, each mask) all ask.
+    @functools.cached_property
+    def _depths(self) -> tuple[int, ...]:
+        depths = [0]
+        for parent in self.parents:
+            depths.append(depths[parent + 1] + 1)
+        return tuple(depths)
+
+    @functools.cached_property
+    def _visibility(self) -> torch.Tensor:
         n = len(self.tokens)
         seen = torch.zeros(n + 1, n + 1, dtype=torch.bool)
         seen[0, 0] = True
@@ -78,6 +88,10 @@ class TokenTree:
             seen[i + 1] = seen[parent + 1]
             seen[i + 1, i + 1] = True
         return seen
+
+    def first_path_kept(self, path: list[int]) -> int:
+        """How many tokens of the first path (nodes 0, 1, ...: `from_paths` puts it first) `path` kept."""
+        return next((i for i, node in enumerate(path) if node != i), len(path))
 
     def path_tokens(self, path: list[int]) -> list[int]:
         return [self.tokens[i] for i in path]
