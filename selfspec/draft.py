@@ -51,7 +51,7 @@ class Drafter:
         layers = plan.draft_layers(num_layers)
         self.num_layers = num_layers
         self.ngram = plan.ngram
-        self.tree_nodes = plan.tree  # n-gram proposals may be token trees of up to this many nodes (greedy)
+        self.tree_nodes = plan.tree  # n-gram proposals may be token trees of up to this many nodes
         self.has_layers = bool(layers)
         self.draft_layers = layers
         self.exact_prefix = plan.exact_prefix(num_layers)  # s
@@ -74,7 +74,7 @@ class Drafter:
         match, when the plan looks for one, comes first: it is free, and the
         policy says how much of it to verify; when that is nothing, the layers
         may draft. With the plan's `tree`, an n-gram proposal may be a tree of
-        several continuations (greedy only).
+        several continuations.
         """
         copied = self.ngram_draft(tokens, policy, scorer, runner.parts.vocab_size, runner.positions.device)
         if copied is not None:
@@ -101,13 +101,13 @@ class Drafter:
     def ngram_draft(self, tokens: list[int], policy, scorer: Scorer, vocab_size: int, device) -> Draft | None:
         """An n-gram proposal cut to the length `policy` finds worth verifying, or None (no match, or not worth it).
 
-        With the plan's `tree` (greedy only), other earlier matches' continuations
+        With the plan's `tree`, other earlier matches' continuations
         join it as branches of a tree, as many nodes as `policy.tree_nodes` says
         verify at about the chain's cost.
         """
         if not self.ngram:
             return None
-        if self.tree_nodes and not scorer.do_sample:
+        if self.tree_nodes:
             paths, match_length = continuations(tokens, max_ngram=self.ngram, budget=policy.round_budget,
                                                 branches=TREE_BRANCHES)
         else:

@@ -52,7 +52,7 @@ from .scoring import Scorer
 from .static import GraphedRunner, StaticRunner
 from .static_loop import run_static_rounds
 from .stats import GenerationStats
-from .tree import accept_tree_greedy
+from .tree import accept_tree_greedy, accept_tree_sampling
 from .vocab import DraftVocab, load_vocab
 
 STEPS = ("auto", "eager", "static", "graphs")
@@ -343,7 +343,7 @@ class SelfSpecModel:
             # 1. draft: an n-gram match, else the plan's layers, as far as the policy finds it pays
             draft = self.drafter.propose(runner, scorer, out.tokens, policy)
             draft_seconds = clock.lap()
-            if draft.tree is not None:  # several n-gram continuations at once (greedy)
+            if draft.tree is not None:  # several continuations at once
                 self._tree_round(runner, draft, start, policy, scorer, out, stats, clock, draft_seconds)
                 continue
             # 2. verify: one pass of the target over the last token and the draft
@@ -369,12 +369,15 @@ class SelfSpecModel:
 
     def _tree_round(self, runner: LayerRunner, draft: Draft, start: int, policy, scorer: Scorer, out: "Output",
                     stats: GenerationStats, clock: "Clock", draft_seconds: float) -> None:
-        """Verify a token tree in one pass, keep the longest agreeing path, compact the cache (`tree.py`)."""
+        """Verify a token tree in one pass, keep a path (greedy or sampling), compact the cache (`tree.py`)."""
         tree = draft.tree
         ids = torch.tensor([[out.tokens[-1], *tree.tokens]], device=runner.positions.device)  # [1, n+1]
         checked = self.passes.verify_tree(runner, ids, tree, start)
         scores = scorer.tree_scores(checked.logits, out.tokens, tree)  # [n+1, vocab]
-        path, next_token = accept_tree_greedy(tree, scores)
+        if scorer.do_sample:
+            path, next_token = accept_tree_sampling(tree, scorer.probs(scores), scorer.generator)
+        else:
+            path, next_token = accept_tree_greedy(tree, scores)
         self.passes.keep_tree_path(runner, checked, tree, path, start)
         verify_seconds = clock.lap()
         out.emit(tree.path_tokens(path) + [next_token])

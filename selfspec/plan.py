@@ -74,7 +74,7 @@ class DraftPlan:
     draft_vocab_size: int = 0
     name: str = ""
     policy: str = "cost"
-    tree: int = 0  # most nodes a drafted token tree may hold (0: chains only); n-gram branches, greedy, eager step
+    tree: int = 0  # most nodes a drafted token tree may hold (0: chains only); see `tree.py`
 
     def __post_init__(self) -> None:
         # One strict rule for every field: the type it names (ints are ints, never bools, floats or strings).

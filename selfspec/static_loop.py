@@ -26,7 +26,7 @@ from .draft import Draft, Drafter
 from .passes import TargetPasses
 from .scoring import Scorer
 from .stats import GenerationStats
-from .tree import accept_tree_greedy_on_device
+from .tree import accept_tree_greedy_on_device, accept_tree_sampling_on_device
 
 
 class RoundClock:
@@ -117,13 +117,16 @@ def run_static_rounds(
 
 def static_tree_round(runner, passes: TargetPasses, policy, scorer: Scorer, out, stats: GenerationStats,
                       clock: RoundClock, draft: Draft, last: torch.Tensor, start: int, began) -> None:
-    """One round that verifies an n-gram token tree: acceptance on the device, one read back, compaction."""
+    """One round that verifies a token tree: acceptance on the device, one read back, compaction."""
     tree = draft.tree
     drafted_at = clock.mark()
     ids = torch.cat([last, torch.tensor([tree.tokens], device=last.device)], dim=1)  # [1, n+1]
     checked = passes.verify_tree(runner, ids, tree, start)
     scores = scorer.tree_scores(checked.logits, out.tokens, tree)  # [n+1, vocab]
-    kept, next_token = accept_tree_greedy_on_device(tree, scores)
+    if scorer.do_sample:
+        kept, next_token = accept_tree_sampling_on_device(tree, scorer.probs(scores), scorer.generator)
+    else:
+        kept, next_token = accept_tree_greedy_on_device(tree, scores)
     verified_at = clock.mark()
     values = torch.cat([kept.long(), next_token]).tolist()  # the round's one read back
     path = [node for node, keep in enumerate(values[:-1]) if keep]

@@ -8,12 +8,18 @@ position of its depth (start + depth), and attends to the verified prefix and
 to its own ancestors only. So every path of the tree sees exactly what a chain
 of those tokens would see.
 
-Greedy acceptance keeps the longest path the target agrees with (`accept_tree_greedy`);
-the cache is then compacted: the accepted path's entries move from their
+Greedy acceptance keeps the longest path the target agrees with
+(`accept_tree_greedy`). Sampling keeps a path by recursive rejection over each
+node's children (`accept_tree_sampling`, SpecInfer's multi-draft rule for
+deterministic drafts): the children of a reached node are tried in order, the
+j-th accepted with probability p(t_j) / (1 - the earlier siblings' p), and when
+all are rejected the next token is sampled from p with the children's tokens
+removed. This is sampling from p without replacement, so the kept tokens are
+distributed exactly as the target samples them. The cache is then compacted: the accepted path's entries move from their
 slots to their positions, O(accepted x layers) copies, and the rest is
 cropped (`compact`).
 
-This module knows trees, masks over their rows and the greedy rule on them;
+This module knows trees, masks over their rows and the acceptance rules on them;
 it does not run layers or choose what to draft.
 """
 
@@ -89,6 +95,17 @@ class TokenTree:
             seen[i + 1, i + 1] = True
         return seen
 
+    @functools.cached_property
+    def _earlier_siblings(self) -> torch.Tensor:
+        """`[n, n]` float: [i, j] = 1 iff node j is a sibling of node i that comes before it."""
+        n = len(self.tokens)
+        earlier = torch.zeros(n, n)
+        for i, parent in enumerate(self.parents):
+            for j in range(i):
+                if self.parents[j] == parent:
+                    earlier[i, j] = 1.0
+        return earlier
+
     def first_path_kept(self, path: list[int]) -> int:
         """How many tokens of the first path (nodes 0, 1, ...: `from_paths` puts it first) `path` kept."""
         return next((i for i, node in enumerate(path) if node != i), len(path))
@@ -122,6 +139,57 @@ def accept_tree_greedy(tree: TokenTree, target_scores: torch.Tensor) -> tuple[li
             return path, choices[node + 1]
         path.append(child)
         node = child
+
+
+def accept_tree_sampling(
+    tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[list[int], int]:
+    """The kept path (node indices) and the next token, by recursive rejection (module docstring).
+
+    `target_probs` p `[n+1, vocab]`: row r is the target's distribution after row r.
+    """
+    kept, next_token = accept_tree_sampling_on_device(tree, target_probs, generator)
+    values = torch.cat([kept.long(), next_token]).tolist()
+    return [node for node, keep in enumerate(values[:-1]) if keep], values[-1]
+
+
+def accept_tree_sampling_on_device(
+    tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`accept_tree_sampling` without a read back: (kept `[n]` bool, the next token `[1]`), on the device.
+
+    Every node draws its uniform u up front; node i "passes" when
+    u_i (1 - S_i) < p(t_i | parent), S_i being its earlier siblings' mass, and is
+    chosen when it passes and no earlier sibling did. A node is kept when it
+    and all its ancestors are chosen; at the deepest kept node (or the root)
+    every child was tried and rejected, so the next token comes from that row
+    of p with the children's tokens removed.
+    """
+    device = target_probs.device
+    n = len(tree)
+    if n == 0:
+        return torch.zeros(0, dtype=torch.bool, device=device), torch.multinomial(
+            target_probs[0].float(), 1, generator=generator)
+    p = target_probs.double()  # [n+1, vocab]
+    tokens = torch.tensor(tree.tokens, device=device)  # [n]
+    parent_rows = torch.tensor(tree.parents, device=device) + 1  # [n]
+    earlier = tree._earlier_siblings.to(device=device, dtype=torch.float64)  # [n, n]
+    p_token = p[parent_rows, tokens]  # [n]: p(t_i | parent)
+    remaining = (1.0 - earlier @ p_token).clamp_min(0.0)  # [n]: mass left when node i is tried
+    u = torch.rand(n, generator=generator, device=device, dtype=torch.float64)  # [n]
+    passes = u * remaining < p_token  # [n]
+    chosen = passes & ((earlier @ passes.double()) == 0)  # [n]
+    lineage = tree.visibility()[1:, 1:].to(device=device, dtype=torch.float64)  # [n, n]: self and ancestors
+    kept = (lineage @ (~chosen).double()) == 0  # [n]
+    depths = torch.tensor(tree.depths()[1:], device=device)  # [n]
+    deepest = torch.argmax(kept.long() * depths)  # 0-d
+    row = torch.where(kept.any(), deepest + 1, torch.zeros_like(deepest))  # 0-d: the row the next token follows
+    p_row = p.index_select(0, row.view(1))[0]  # [vocab]
+    is_child = (parent_rows == row).double()  # [n]: the row's children, all rejected
+    removed = torch.zeros_like(p_row).index_add_(0, tokens, is_child)  # [vocab]: > 0 at a child's token
+    residual = p_row.masked_fill(removed > 0, 0.0)  # [vocab]
+    residual = torch.where(residual.sum() > 0, residual, p_row)  # the children held all the mass, up to rounding
+    return kept, torch.multinomial(residual.float(), 1, generator=generator)
 
 
 def compact(cache, *, start: int, path: list[int], layers) -> None:

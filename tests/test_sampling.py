@@ -8,13 +8,17 @@ What is tested
    p == q; a multi-round loop on a synthetic Markov chain (k = 3) checks the
    joint law of several emitted tokens (rows i > 0, residuals at i > 0, bonus
    tokens). Two deliberately wrong rules must FAIL the same check (power).
+   Token trees: recursive rejection over a tree's children keeps the law of
+   the first two emitted tokens; a rule that forgets to remove the rejected
+   children from the residual fails it.
 2. End to end on a tiny random float64 Llama: the joint law of the first four
    new tokens from `selfspec` sampling matches the exact law computed from
    the model's own full forward passes (with temperature, top-k and top-p
    applied through transformers' warpers). Token 1 comes from the prefill;
    tokens 2-4 come from drafted/verified rounds (accepted, recovered, bonus).
    Plans: early exit, layer subsets, an exit head, and a head with a draft
-   vocabulary of 6 of the 16 tokens (q is zero outside it, p is not).
+   vocabulary of 6 of the 16 tokens (q is zero outside it, p is not), and
+   n-gram token trees (a prompt where every token has two successors).
    An engine that always accepts the draft must fail the same check.
 3. Seeded runs reproduce exactly (explicit generator; global seed).
 4. Plain sampling (draft_length=0) and drafted sampling both run.
@@ -33,13 +37,13 @@ c = ln(2 V / DELTA), so each check falsely fails with probability at most
 DELTA = 1e-7, whatever the number of cells. A cell with p_i = 0 that is ever
 observed gives KL = inf: an impossible token fails the check outright.
 
-This file runs CHECKS_IN_FILE = 86 such checks on samples whose law is the
+This file runs CHECKS_IN_FILE = 104 such checks on samples whose law is the
 reference law (test 1: 6 pairs for each of the two implementations of the
 rule, the host one and the device one of the static step, + 4 Markov-chain
-checks + 6 checks that the wrong-rule harness produces the wrong rule's own
-exact law; test 2: 8 cases x 8, two of them on the static step), so over
-random seeds the whole file would falsely fail with probability at most
-86 * 1e-7 = 8.6e-6 (< 1e-5). All seeds are fixed, so the outcome is
+checks + 1 token-tree check + 7 checks that the wrong-rule harnesses produce
+the wrong rules' own exact laws; test 2: 10 cases x 8, three of them on the
+static step), so over random seeds the whole file would falsely fail with
+probability at most 104 * 1e-7 = 1.04e-5. All seeds are fixed, so the outcome is
 deterministic anyway.
 
 Power (a wrong sampler must fail): in test 1 a wrong rule is only run on
@@ -72,9 +76,10 @@ import selfspec.engine
 import selfspec.static_loop
 from selfspec.acceptance import Verdict, accept_sampling, accept_sampling_on_device, sample
 from selfspec.testing import make_head, make_vocab
+from selfspec.tree import TokenTree, accept_tree_sampling, accept_tree_sampling_on_device
 
 DELTA = 1e-7  # false-failure probability bound of one `assert_distribution` check
-CHECKS_IN_FILE = 86  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
+CHECKS_IN_FILE = 104  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -284,6 +289,69 @@ def test_accept_sampling_multi_round_markov_chain():
         assert_distribution(counts.sum(dims), exact.sum(dims), f"Markov chain, marginal of token {i + 1}")
 
 
+def tree_round_counts(rule, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counts of the first two emitted tokens over n tree rounds on a Markov chain, and their exact law.
+
+    The tree (V = 6, root token 0): children 2, 5, 1 of the root; 3 and 0 under the 2; 4 under the 5.
+    Row r of p is the chain's transition row of row r's token.
+    """
+    v = 6
+    g = torch.Generator().manual_seed(seed)
+    P = torch._standard_gamma(torch.full((v, v), 0.8, dtype=torch.float64), generator=g)
+    P[0, 4] = 0  # an impossible token after the root's
+    P = P / P.sum(-1, keepdim=True)
+    tree = TokenTree(tokens=(2, 5, 1, 3, 0, 4), parents=(-1, -1, -1, 0, 0, 1))
+    target_probs = P[[0, *tree.tokens]]  # [n+1, V]
+    seen = collections.Counter()
+    for _ in range(n):
+        path, next_token = rule(tree, target_probs, g)
+        emitted = tree.path_tokens(path) + [next_token]
+        if len(emitted) < 2:  # nothing kept: the second token would come from the next round
+            emitted.append(int(torch.multinomial(P[emitted[0]], 1, generator=g)))
+        seen[tuple(emitted[:2])] += 1
+    counts = torch.zeros(v, v, dtype=torch.long)
+    for key, c in seen.items():
+        counts[key] = c
+    return counts, P[0][:, None] * P  # p(t1 | 0) p(t2 | t1)
+
+
+def resample_without_removing_children(tree, target_probs, generator=None):
+    """WRONG rule: the right path, but the next token drawn from p itself, the rejected children left in."""
+    kept, _ = accept_tree_sampling_on_device(tree, target_probs, generator)
+    path = [node for node, keep in enumerate(kept.tolist()) if keep]
+    row = path[-1] + 1 if path else 0
+    return path, int(torch.multinomial(target_probs[row].float(), 1, generator=generator))
+
+
+def test_accept_tree_sampling_keeps_the_target_law():
+    """Recursive rejection over a tree's children: the first two emitted tokens follow p (1 check, N = 20,000);
+    a rule that does not remove the rejected children fails the same check (power) and passes against
+    its own law (1 check)."""
+    counts, exact = tree_round_counts(accept_tree_sampling, N_UNIT, seed=3)
+    assert counts[0, 4] == 0
+    assert_distribution(counts, exact, "accept_tree_sampling, first two tokens")
+    wrong, _ = tree_round_counts(resample_without_removing_children, N_UNIT, seed=3)
+    assert not passes(wrong, exact), "the wrong tree rule passed the check: the test has no power"
+    assert passes(wrong, wrong_tree_law(exact)), "the harness does not produce the wrong rule's own law"
+
+
+def wrong_tree_law(exact: torch.Tensor) -> torch.Tensor:
+    """The law of the first two tokens under `resample_without_removing_children`, on `tree_round_counts`' tree.
+
+    The path is kept as by the right rule (a child c is chosen with p(c)); at the row where it stops
+    (with probability 1 - its children's mass) the next token is drawn from the whole row.
+    """
+    P0 = exact.sum(1)  # p(. | 0)
+    P = exact / P0[:, None].clamp_min(1e-300)  # rows of the chain (row 4 of the root is impossible anyway)
+    children = {0: [2, 5, 1], 2: [3, 0], 5: [4], 1: []}  # by token: the tree of `tree_round_counts`
+    law = (1 - P0[children[0]].sum()) * P0[:, None] * P  # stop at the root: t1 from the whole row
+    for c in children[0]:
+        stay = 1 - P[c, children[c]].sum()
+        law[c] += P0[c] * stay * P[c]  # stop at c: t2 from the whole row
+        law[c, children[c]] += P0[c] * P[c, children[c]]  # go on to a grandchild
+    return law
+
+
 # -- 2. end to end on a tiny Llama --------------------------------------------------------------
 
 VOCAB = 16
@@ -314,7 +382,7 @@ def model():
     return m
 
 
-def exact_joint(model, warpers: LogitsProcessorList, new: int) -> torch.Tensor:
+def exact_joint(model, warpers: LogitsProcessorList, new: int, prompt: torch.Tensor = PROMPT) -> torch.Tensor:
     """Exact joint law `[V]*new` of the first `new` sampled tokens, from full forward passes of the model."""
     v = model.config.vocab_size
     joint = torch.ones((), dtype=torch.float64)
@@ -323,7 +391,7 @@ def exact_joint(model, warpers: LogitsProcessorList, new: int) -> torch.Tensor:
             # every continuation of the prompt by `step` tokens, as one batch
             conts = torch.tensor(list(itertools.product(range(v), repeat=step)), dtype=torch.long)
             conts = conts.reshape(v**step, step)
-            ids = torch.cat([PROMPT.expand(len(conts), -1), conts], dim=1)
+            ids = torch.cat([prompt.expand(len(conts), -1), conts], dim=1)
             logits = model(ids).logits[:, -1].double()  # [V^step, V]
             probs = torch.softmax(warpers(ids, logits), dim=-1)
             joint = joint[..., None] * probs.reshape((v,) * step + (v,))
@@ -381,16 +449,31 @@ CASES["static step: T=0.7, top_k=6, layers=[0,2], k=4"] = CASES["T=0.7, top_k=6,
 CASES["static step: T=0.8, top_p=0.9, head + draft vocabulary 6/16, k=3"] = (
     CASES["T=0.8, top_p=0.9, head + draft vocabulary 6/16, k=3"]
 )
+# Token trees: every token of this prompt occurred twice with different successors, so after any first
+# token an n-gram match (n = 1) finds two continuations, and the round verifies a tree (recursive rejection).
+TREE_PROMPT = torch.tensor([list(range(VOCAB)) + list(range(0, VOCAB, 2)) + list(range(1, VOCAB, 2))])
+TREE_CASES = {
+    "T=1, n-gram trees (<= 6 nodes) then layers=[0,2], k=3": (
+        selfspec.DraftPlan(ngram=1, tree=6, layers=[0, 2], draft_length=3, policy="fixed"),
+        dict(temperature=1.0),
+        LogitsProcessorList([]),
+    ),
+}
+CASES.update(TREE_CASES)
+CASES["static step: T=1, n-gram trees (<= 6 nodes) then layers=[0,2], k=3"] = (
+    TREE_CASES["T=1, n-gram trees (<= 6 nodes) then layers=[0,2], k=3"]
+)
+PROMPTS = {case: TREE_PROMPT for case in CASES if "trees" in case}
 STEPS = {case: "static" for case in CASES if case.startswith("static step")}
 
 
-def run_many(spec, n: int, seed: int, **sampling) -> tuple[torch.Tensor, dict]:
+def run_many(spec, n: int, seed: int, prompt: torch.Tensor = PROMPT, **sampling) -> tuple[torch.Tensor, dict]:
     g = torch.Generator().manual_seed(seed)
     seen = collections.Counter()
-    totals = dict(drafted=0, accepted=0, recovered=0, bonus=0)
+    totals = dict(drafted=0, accepted=0, recovered=0, bonus=0, tree_rounds=0)
     for _ in range(n):
-        out = spec.generate(PROMPT, max_new_tokens=NEW, do_sample=True, generator=g, **sampling)
-        new = tuple(out[0, PROMPT.shape[1] :].tolist())
+        out = spec.generate(prompt, max_new_tokens=NEW, do_sample=True, generator=g, **sampling)
+        new = tuple(out[0, prompt.shape[1] :].tolist())
         assert len(new) == NEW
         seen[new] += 1
         for key in totals:
@@ -417,13 +500,17 @@ def test_sampling_matches_exact_target_law(model, artifacts, case):
     """selfspec samples vs the exact law from full forwards: 8 checks at DELTA = 1e-7, N = 1,000 runs."""
     plan, sampling, warpers = CASES[case]
     plan = plan(artifacts) if callable(plan) else plan
-    exact = exact_joint(model, warpers, NEW)
+    prompt = PROMPTS.get(case, PROMPT)
+    exact = exact_joint(model, warpers, NEW, prompt)
     spec = selfspec.wrap(model, plan=plan, costs=COSTS.get(case), step=STEPS.get(case, "eager"))
-    counts, totals = run_many(spec, N_E2E, seed=11, **sampling)
+    counts, totals = run_many(spec, N_E2E, seed=11, prompt=prompt, **sampling)
     # the drafted/verified machinery was really exercised, on every path
     assert totals["drafted"] > 0 and totals["accepted"] > 0, totals
-    assert totals["recovered"] > 0 and totals["bonus"] > 0, totals
     assert totals["accepted"] < totals["drafted"], totals
+    if case in PROMPTS:  # trees were verified, not just chains (a tree's round has no bonus: not all nodes are kept)
+        assert totals["tree_rounds"] > N_E2E / 2 and totals["recovered"] > 0, totals
+    else:
+        assert totals["recovered"] > 0 and totals["bonus"] > 0, totals
     assert_joint_matches(counts, exact, case)
 
 

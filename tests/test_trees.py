@@ -156,11 +156,17 @@ def test_costly_wide_passes_keep_trees_off():
     assert spec.last_stats.tree_rounds == 0
 
 
-def test_sampling_drafts_chains():
+def test_sampling_verifies_trees_and_a_seed_reproduces():
+    """Sampling verifies trees too (recursive rejection; its law is tested in test_sampling.py)."""
     model = model_for("gpt2")
     spec = selfspec.wrap(model, plan=TREE_PLANS[0], costs="flat")
-    spec.generate(repetitive_prompt(3), max_new_tokens=30, do_sample=True, generator=torch.Generator().manual_seed(0))
-    assert spec.last_stats.tree_rounds == 0 and spec.last_stats.ngram_drafted > 0
+    runs = []
+    for _ in range(2):
+        out = spec.generate(repetitive_prompt(3), max_new_tokens=30, do_sample=True,
+                            generator=torch.Generator().manual_seed(0))
+        runs.append(out.tolist())
+    assert spec.last_stats.tree_rounds > 0 and spec.last_stats.ngram_drafted > 0
+    assert runs[0] == runs[1]
 
 
 def test_static_step_verifies_trees_and_equals_generate():
