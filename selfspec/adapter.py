@@ -197,14 +197,19 @@ class Adapter:
         return [int(window) if kind == "sliding_attention" else None for kind in kinds]
 
     def plan_for(self, config: Any) -> DraftPlan:
-        """The tuned plan whose `match` fits `config`, else the default rule."""
+        """The tuned plan whose `match` fits `config`, else an auto plan (`DraftPlan.auto_plan`)."""
         config = text_config(config)
-        num_layers = config.num_hidden_layers
         for tuned in self.tuned_plans:
             match = tuned.get("match", {})
             if all(getattr(config, key, None) == value for key, value in match.items()):
                 fields = {k: v for k, v in tuned.items() if k not in ("match", "command")}
                 return DraftPlan.from_dict(fields)
+        return DraftPlan.auto_plan(name=f"{self.name}-auto")
+
+    def rule_plan(self, config: Any) -> DraftPlan:
+        """The adapter's rule-of-thumb plan (`default_plan`: an early exit at a fraction of the layers), the
+        default before auto plans; kept to compare with."""
+        num_layers = text_config(config).num_hidden_layers
         rule = dict(self.default_plan)
         fraction = rule.pop("exit_fraction", 0.5)
         exit_layer = min(max(1, round(fraction * num_layers)), num_layers)

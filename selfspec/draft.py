@@ -48,15 +48,10 @@ class Drafter:
     def __init__(
         self, plan: DraftPlan, num_layers: int, *, head: ExitHead | None = None, vocab: DraftVocab | None = None
     ) -> None:
-        layers = plan.draft_layers(num_layers)
         self.num_layers = num_layers
         self.ngram = plan.ngram
         self.tree_nodes = plan.tree  # n-gram proposals may be token trees of up to this many nodes
-        self.has_layers = bool(layers)
-        self.draft_layers = layers
-        self.exact_prefix = plan.exact_prefix(num_layers)  # s
-        self.prefix_layers = range(self.exact_prefix)
-        self.other_layers = layers[self.exact_prefix :]
+        self.set_layers(plan.draft_layers(num_layers))
         self.head = head
         self.vocab = vocab
         if head is not None:
@@ -66,6 +61,14 @@ class Drafter:
                     f"the plan has exit_layer={plan.exit_layer}"
                 )
             self.other_layers = (head.slot,)  # layers 0..E-1 are the exact prefix; then the head
+
+    def set_layers(self, layers: tuple[int, ...]) -> None:
+        """Draft with `layers` (increasing) from the next round on (auto plans, `auto_layers.py`)."""
+        self.has_layers = bool(layers)
+        self.draft_layers = tuple(layers)
+        self.exact_prefix = next((s for s, i in enumerate(layers) if i != s), len(layers))  # s
+        self.prefix_layers = range(self.exact_prefix)
+        self.other_layers = self.draft_layers[self.exact_prefix :]
 
     def propose(self, runner: LayerRunner, scorer: Scorer, tokens: list[int], policy) -> Draft:
         """Draft after `tokens` as far as `policy` says; the last of `tokens` is not in the cache yet.

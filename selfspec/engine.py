@@ -27,6 +27,7 @@ import torch
 from .acceptance import accept_greedy, accept_sampling
 from .adapter import Adapter
 from .artifacts import model_identity
+from .auto_layers import AutoLayers, layer_weights
 from .costs import (
     PassCosts,
     RuntimeCosts,
@@ -68,8 +69,9 @@ def wrap(
 ) -> "SelfSpecModel":
     """Wrap a Hugging Face causal LM for self-speculative generation. The model is not modified.
 
-    `plan`: a `DraftPlan`, a path to a saved plan (JSON), a plan dict, or None
-    for the adapter's plan for this model.
+    `plan`: a `DraftPlan`, a path to a saved plan (JSON), a plan dict, "auto"
+    (layers chosen per context while generating, `auto_layers.py`), or None
+    for the adapter's plan for this model (its tuned plan, else "auto").
     `costs`: None to measure what passes cost on this machine (on first use,
     then cached on disk and refined by every round); a `PassCosts` table or a
     profile name ("linear": a pass over q tokens costs q plain steps; "flat":
@@ -91,9 +93,12 @@ def _as_plan(plan, adapter: Adapter, config) -> DraftPlan:
         return plan
     if isinstance(plan, dict):
         return DraftPlan.from_dict(plan)
+    if isinstance(plan, str) and plan == "auto":
+        return DraftPlan.auto_plan()
     if isinstance(plan, (str, os.PathLike)):
         return DraftPlan.load(plan)
-    raise ValueError(f"plan must be a DraftPlan, a dict, a path to a plan JSON file or None, got {type(plan).__name__}")
+    raise ValueError(f"plan must be a DraftPlan, a dict, \"auto\", a path to a plan JSON file or None, "
+                     f"got {type(plan).__name__}")
 
 
 class SelfSpecModel:
@@ -116,6 +121,7 @@ class SelfSpecModel:
         # Drafter validates the plan against the model (layer indices, the head's exit).
         self.drafter = Drafter(plan, self.parts.num_layers, head=self.head, vocab=self.vocab)
         self.passes = TargetPasses(self.parts.num_layers, exact_prefix=self.drafter.exact_prefix, head=self.head)
+        self.layer_weights = layer_weights(self.parts) if plan.auto else None  # what each layer costs a draft
         self.max_width = max(plan.draft_length, plan.tree) + 1  # the widest verify pass (a chain, or a tree)
         self.injected_costs = self._injected(costs)
         self.measured_costs: dict[tuple, RuntimeCosts] = {}  # by (threads, device): a table, refined by the rounds
@@ -189,6 +195,8 @@ class SelfSpecModel:
             float(torch.softmax(logits[0], dim=-1).max())  # the confidence the policy reads
 
         def measure() -> PassCosts:
+            if self.plan.auto:  # an auto plan's table times its reference set (`auto_layers.py` scales from it)
+                self.drafter.set_layers(self.plan.draft_layers(self.parts.num_layers))
             return measure_pass_costs(
                 lambda capacity: self._runner(capacity, keep=False),
                 draft_step if self.drafter.has_layers else None,
@@ -300,9 +308,18 @@ class SelfSpecModel:
     def _decode(
         self, prompt: list[int], settings: GenerationSettings, streamer, generator
     ) -> tuple[list[int], GenerationStats]:
+        if self.plan.auto:  # every generation chooses its layers afresh, from the set the cost table timed
+            self.drafter.set_layers(self.plan.draft_layers(self.parts.num_layers))
+            self.passes.exact_prefix = self.drafter.exact_prefix
+        self.passes.probe = None
         policy = self._policy(settings)  # first: measuring the costs (once) uses a runner of its own
         capacity = len(prompt) + settings.max_new_tokens + self.max_width  # room for the widest verify pass
         runner = self._runner(capacity)
+        auto = None
+        if self.plan.auto and isinstance(policy, CostPolicy):  # the prefill reports every layer's change to it
+            weights, head = self.layer_weights
+            auto = AutoLayers(self.drafter, self.passes, layer_weights=weights, head_weight=head,
+                              device=self.parts.device, probe_verify=not isinstance(runner, GraphedRunner))
         scorer = Scorer(settings, generator)
         out = Output(prompt, settings, streamer)
         stats = GenerationStats(plan=self.describe_plan())
@@ -316,10 +333,14 @@ class SelfSpecModel:
         stats.prefill_seconds = clock.lap()
 
         if self.step == "eager":
-            self._eager_rounds(runner, policy, scorer, out, stats, clock)
+            self._eager_rounds(runner, policy, scorer, out, stats, clock, auto)
         else:
             run_static_rounds(runner=runner, drafter=self.drafter, passes=self.passes, policy=policy, scorer=scorer,
-                              out=out, stats=stats, draft_length=self.plan.draft_length, generator=generator)
+                              out=out, stats=stats, draft_length=self.plan.draft_length, generator=generator,
+                              auto=auto)
+        self.passes.probe = None
+        if auto is not None:
+            stats.layer_sets = auto.describe()
         stats.step = runner.describe() if isinstance(runner, GraphedRunner) else self.step
         if isinstance(runner, GraphedRunner):
             stats.capture_seconds = runner.capture_seconds - capture_before
@@ -335,10 +356,12 @@ class SelfSpecModel:
         return out.tokens, stats
 
     def _eager_rounds(self, runner: LayerRunner, policy, scorer: Scorer, out: "Output", stats: GenerationStats,
-                      clock: "Clock") -> None:
+                      clock: "Clock", auto: AutoLayers | None) -> None:
         """The rounds of the eager step: shapes follow the tokens; each drafted token is read back as chosen."""
         while not out.done:
             start = len(out.tokens) - 1  # position of the last emitted token, not in the cache yet
+            if auto is not None:  # an auto plan: maybe another layer set from this round
+                auto.before_round(policy)
             policy.begin_round(min(self.plan.draft_length, out.remaining - 1))
             # 1. draft: an n-gram match, else the plan's layers, as far as the policy finds it pays
             draft = self.drafter.propose(runner, scorer, out.tokens, policy)

@@ -41,16 +41,17 @@ class TargetPasses:
         self.num_layers = num_layers
         self.exact_prefix = exact_prefix
         self.head = head
+        self.probe = None  # when set, the next passes report each layer's (input, output) to it (`auto_layers.py`)
 
     def prefill(self, runner: LayerRunner, prompt: list[int]) -> torch.Tensor:
         """Run the prompt through the target (and the head, to fill its cache); `[1, vocab]` logits of its last row."""
         hidden = runner.embed(prompt, 0)  # [1, prompt, hidden]
         rest = range(self.num_layers)
         if self.head is not None:
-            hidden = runner.run(hidden, range(self.head.exit_layer), 0)
+            hidden = runner.run(hidden, range(self.head.exit_layer), 0, probe=self.probe)
             runner.run(hidden, [self.head.slot], 0)
             rest = range(self.head.exit_layer, self.num_layers)
-        return runner.logits(runner.run(hidden, rest, 0)[:, -1:])
+        return runner.logits(runner.run(hidden, rest, 0, probe=self.probe)[:, -1:])
 
     def verify(self, runner: LayerRunner, ids: torch.Tensor, boundary: list[torch.Tensor], start: int) -> Checked:
         """Target logits `[k+1, vocab]` for `ids` `[1, k+1]`: the last emitted token (at `start`) and k drafted ones.
@@ -62,7 +63,7 @@ class TargetPasses:
         s = self.exact_prefix if k and boundary else 0
         if s:
             # The exact prefix already ran for x, d_1..d_{k-1}; only d_k still needs it.
-            tail = runner.run(runner.embed(ids[:, -1:], start + k), range(s), start + k)  # [1, 1, hidden]
+            tail = runner.run(runner.embed(ids[:, -1:], start + k), range(s), start + k, probe=self.probe)  # [1, 1, hidden]
             hidden = torch.cat([*boundary, tail], dim=1)  # [1, k+1, hidden]
         else:
             hidden = runner.embed(ids, start)  # [1, k+1, hidden]
@@ -70,9 +71,9 @@ class TargetPasses:
         exit_states = None
         if self.head is not None:  # keep the states after layer E-1 for the head's cache
             exit_layer = self.head.exit_layer
-            hidden = exit_states = runner.run(hidden, range(s, exit_layer), start)  # [1, k+1, hidden]
+            hidden = exit_states = runner.run(hidden, range(s, exit_layer), start, probe=self.probe)  # [1, k+1, hidden]
             s = exit_layer
-        return Checked(runner.logits(runner.run(hidden, range(s, self.num_layers), start)), exit_states)
+        return Checked(runner.logits(runner.run(hidden, range(s, self.num_layers), start, probe=self.probe)), exit_states)
 
     def verify_tree(self, runner: LayerRunner, ids: torch.Tensor, tree: TokenTree, start: int) -> Checked:
         """Target logits `[n+1, vocab]` for `ids` `[1, n+1]`: the last emitted token and a tree's n nodes.
@@ -85,9 +86,10 @@ class TargetPasses:
         hidden = runner.embed(ids, start, tree)  # [1, n+1, hidden]
         exit_states, s = None, 0
         if self.head is not None:  # keep the states after layer E-1 for the head's cache
-            hidden = exit_states = runner.run(hidden, range(self.head.exit_layer), start, tree)
+            hidden = exit_states = runner.run(hidden, range(self.head.exit_layer), start, tree, probe=self.probe)
             s = self.head.exit_layer
-        return Checked(runner.logits(runner.run(hidden, range(s, self.num_layers), start, tree)), exit_states)
+        return Checked(runner.logits(runner.run(hidden, range(s, self.num_layers), start, tree, probe=self.probe)),
+                       exit_states)
 
     def keep_tree_path(self, runner: LayerRunner, checked: Checked, tree: TokenTree, path: list[int], start: int) -> int:
         """After a tree's verify pass: move the kept `path`'s entries into place, give the head its entries.

@@ -5,11 +5,14 @@ loaded back. It knows nothing about a particular model until `draft_layers`
 checks it against a layer count; the engine calls that once, at `wrap` time,
 so a bad plan fails before any generation starts.
 
-Two ways to name the draft's layers (give exactly one):
+Three ways to name the draft's layers (give at most one):
 
 - `exit_layer=E`: early exit, the draft runs layers 0..E-1, then the final norm
   and the LM head;
-- `layers=[...]`: the draft runs these layers, in increasing order.
+- `layers=[...]`: the draft runs these layers, in increasing order;
+- `auto=True` (`DraftPlan.auto_plan()`, `wrap(model, plan="auto")`): the layers are
+  chosen per context while generating (`auto_layers.py`), with no offline
+  tuning; it needs `policy="cost"` (the choice weighs acceptance against cost).
 
 The draft-length policy: at most `draft_length` tokens per round (k_max).
 `policy="cost"` (the default) drafts, each round, the length 0..k_max that
@@ -75,6 +78,7 @@ class DraftPlan:
     name: str = ""
     policy: str = "cost"
     tree: int = 0  # most nodes a drafted token tree may hold (0: chains only); see `tree.py`
+    auto: bool = False  # the draft's layers are chosen per context while generating (`auto_layers.py`)
 
     def __post_init__(self) -> None:
         # One strict rule for every field: the type it names (ints are ints, never bools, floats or strings).
@@ -101,6 +105,15 @@ class DraftPlan:
                              "(layer drafts are chains)")
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} is not a draft-length policy (valid: {', '.join(POLICIES)})")
+        if not isinstance(self.auto, bool):
+            raise ValueError(f"auto must be true or false, got {self.auto!r}")
+        if self.auto:
+            named = [f for f in ("layers", "exit_layer", "head") if getattr(self, f) is not None]
+            if named:
+                raise ValueError(f"auto=True chooses the draft's layers itself: drop {', '.join(named)} "
+                                 "(a trained head belongs to a fixed exit layer)")
+            if self.policy != "cost":
+                raise ValueError("auto=True needs policy='cost': it picks layers by expected tokens per second")
         _check_int("draft_vocab_size", self.draft_vocab_size, 0, None)
         for field in ("head", "draft_vocab"):
             value = getattr(self, field)
@@ -127,7 +140,7 @@ class DraftPlan:
         if self.exit_layer is not None:
             _check_int("exit_layer", self.exit_layer, 1, None)
             return
-        if (self.layers is None or len(self.layers) == 0) and not self.ngram:
+        if (self.layers is None or len(self.layers) == 0) and not self.ngram and not self.auto:
             raise ValueError(
                 "empty plan: give exit_layer=E (E >= 1) or a non-empty layers=[...] list, "
                 "or draft_length=0 for plain decoding"
@@ -151,6 +164,13 @@ class DraftPlan:
         """No drafting: one full forward pass per token (the engine's plain path)."""
         return cls(draft_length=0, name="plain")
 
+    @classmethod
+    def auto_plan(cls, **overrides: Any) -> "DraftPlan":
+        """`plan="auto"`: n-gram lookup (as token trees where a wide verify is cheap), then layers chosen per
+        context, k by measured cost. The default for a model with no tuned plan."""
+        fields = {"auto": True, "ngram": 3, "tree": 16, "draft_length": 8, "name": "auto", **overrides}
+        return cls(**fields)
+
     # -- what the plan means for a model with `num_layers` layers ----------------
 
     @property
@@ -168,6 +188,8 @@ class DraftPlan:
                     f"(valid: 1..{num_layers})"
                 )
             return tuple(range(self.exit_layer))
+        if self.auto:
+            return auto_reference_layers(num_layers)
         if self.layers is None:
             return ()  # n-gram proposals only
         bad = [i for i in self.layers if i >= num_layers]
@@ -197,6 +219,8 @@ class DraftPlan:
         layers = self.draft_layers(num_layers)
         if self.exit_layer is not None:
             where = f"early exit after layer {self.exit_layer - 1}"
+        elif self.auto:
+            where = "layers chosen per context (auto)"
         elif layers:
             where = f"{len(layers)}/{num_layers} layers {list(layers)}"
         else:
@@ -269,6 +293,11 @@ class DraftPlan:
             if (value := getattr(plan, field)) is not None and not os.path.isabs(value)
         }
         return dataclasses.replace(plan, **resolved) if resolved else plan
+
+
+def auto_reference_layers(num_layers: int) -> tuple[int, ...]:
+    """An auto plan's layers before it has seen a context (and the draft its cost table times): the first half."""
+    return tuple(range(max(1, num_layers // 2)))
 
 
 def _is_int(value: Any) -> bool:

@@ -28,6 +28,7 @@ This module does not run layers or read the cache: it sees counts, confidences a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -113,6 +114,18 @@ class AcceptanceEstimates:
     )
     ngram: dict[int, Rate] = field(default_factory=dict)  # by match length
     ngram_cells: dict[tuple[int, int], Rate] = field(default_factory=dict)  # by (match length, position bucket)
+    # An auto plan (`auto_layers.py`) drafts with several layer sets: each keeps its own layer estimates,
+    # swapped into `positions` / `cells` by `use_layer_set`.
+    layer_sets: dict[object, tuple[list[Rate], list[list[Rate]]]] = field(default_factory=dict)
+
+    def use_layer_set(self, key: object) -> None:
+        """Learn and predict layer drafts with the estimates of layer set `key` (fresh, at the prior, if new)."""
+        if not self.layer_sets:
+            self.layer_sets[None] = (self.positions, self.cells)  # what was learned before any set was named
+        if key not in self.layer_sets:
+            self.layer_sets[key] = ([Rate() for _ in range(POSITION_BUCKETS)],
+                                    [[Rate() for _ in range(CONFIDENCE_BINS)] for _ in range(POSITION_BUCKETS)])
+        self.positions, self.cells = self.layer_sets[key]
 
     def layer_position(self, position: int) -> float:
         """Acceptance of the token at draft `position` (1-based), given those before were accepted."""
@@ -146,8 +159,9 @@ class AcceptanceEstimates:
                 self.cells[_bucket(i + 1)][_bin(draft.confidences[i])].add(ok)
 
     def decay(self, factor: float = DECAY) -> None:
-        cells = [c for row in self.cells for c in row]
-        for rate in [*self.positions, *cells, *self.ngram.values(), *self.ngram_cells.values()]:
+        sets = self.layer_sets.values() or [(self.positions, self.cells)]
+        layer_rates = [r for positions, cells in sets for r in [*positions, *(c for row in cells for c in row)]]
+        for rate in [*layer_rates, *self.ngram.values(), *self.ngram_cells.values()]:
             rate.decay(factor)
 
     def summary(self) -> str:
@@ -181,6 +195,30 @@ class CostPolicy:
         self.round_budget = plan.draft_length
         self.reach = 1.0  # chance that every token drafted so far this round is accepted
         self.expected = 1.0  # expected emitted tokens if the round stopped now
+        self.draft_scale = 1.0  # a drafted token's cost relative to the table's draft step (auto plans' other sets)
+
+    def use_layers(self, key: object, *, exact_prefix: int, draft_scale: float) -> None:
+        """Draft with another layer set from the next round (auto plans): its estimates, exact prefix and cost."""
+        self.acceptance.use_layer_set(key)
+        self.exact_prefix, self.draft_scale = exact_prefix, draft_scale
+
+    def layer_rate(self, key: object, *, exact_prefix: int, draft_scale: float) -> float:
+        """Expected tokens per second of a layer draft with set `key`, at its best length (auto plans' choice).
+
+        An untried set is predicted at the prior acceptance, so it gets tried;
+        the estimates of every set fade each round, so a set written off is
+        tried again later.
+        """
+        active = (self.acceptance.positions, self.acceptance.cells, self.exact_prefix, self.draft_scale)
+        self.use_layers(key, exact_prefix=exact_prefix, draft_scale=draft_scale)
+        budget, reach, expected = self.round_budget, self.reach, self.expected
+        self.round_budget, self.reach, self.expected = self.max_length, 1.0, 1.0
+        k = self.draft_length_from(0) if self.costs.table.draft_step else 0
+        rate = 1.0 + sum(math.prod(self.acceptance.layer_position(j + 1) for j in range(i + 1)) for i in range(k))
+        rate /= k * self.costs.draft() * self.draft_scale + self.costs.verify(k + 1, self.exact_prefix if k else 0)
+        self.round_budget, self.reach, self.expected = budget, reach, expected
+        self.acceptance.positions, self.acceptance.cells, self.exact_prefix, self.draft_scale = active
+        return rate
 
     def begin_round(self, budget: int) -> None:
         self.round_budget, self.reach, self.expected = budget, 1.0, 1.0
@@ -219,7 +257,7 @@ class CostPolicy:
     def draft_length_from(self, drafted: int) -> int:
         """The best total layer draft length this round, after `drafted` tokens (whose odds are in `reach`)."""
         future = [self.acceptance.layer_position(drafted + j + 1) for j in range(self.round_budget - drafted)]
-        step = self.costs.draft()
+        step = self.costs.draft() * self.draft_scale
         return choose_length(
             accepted_so_far=self.reach, expected_so_far=self.expected, drafted=drafted, future=future,
             spent=drafted * step, draft_seconds=step,
@@ -232,7 +270,7 @@ class CostPolicy:
         layered = draft.source == "layers" and draft.tokens
         self.costs.observe_verify(width, self.exact_prefix if layered else 0, verify_seconds)
         if layered:
-            self.costs.observe_draft(len(draft.tokens), draft_seconds)
+            self.costs.observe_draft(len(draft.tokens), draft_seconds / self.draft_scale)
 
     def describe(self) -> str:
         return f"cost (k by expected tokens/s; acceptance {self.acceptance.summary()})"

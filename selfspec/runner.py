@@ -84,12 +84,14 @@ class LayerRunner:
             return self.positions[0, start : start + q]
         return start + torch.tensor(tree.depths(), device=self.positions.device)
 
-    def run(self, hidden: torch.Tensor, layers, start: int, tree: TokenTree | None = None) -> torch.Tensor:
+    def run(self, hidden: torch.Tensor, layers, start: int, tree: TokenTree | None = None, *, probe=None) -> torch.Tensor:
         """Run `layers` in order on `hidden` `[1, q, hidden]` at positions start..start+q-1.
 
         Every layer in `layers` must hold exactly `start` cache entries. With a
         `tree` (`tree.py`, q = its nodes + 1) row r is written at slot start + r
         but sits at start + its depth and sees the prefix and its ancestors.
+        `probe(layer, before, after)`, when given, sees each layer's input and
+        output `[1, q, hidden]` (an auto plan's signal, `auto_layers.py`).
         """
         q = hidden.shape[1]
         rows = self.row_positions(start, q, tree)  # [q]
@@ -106,6 +108,7 @@ class LayerRunner:
             window = self.windows[i]
             if window not in masks:
                 masks[window] = self.mask(q, start, window) if tree is None else self.tree_mask(tree, start, window)
+            before = hidden
             hidden = self.call(
                 self.layers[i],
                 hidden,
@@ -114,6 +117,8 @@ class LayerRunner:
                 position_ids=position_ids,
                 cache=self.cache,
             )
+            if probe is not None:
+                probe(i, before, hidden)
         return hidden
 
     def logits(self, hidden: torch.Tensor, vocab: DraftVocab | None = None) -> torch.Tensor:

@@ -68,11 +68,12 @@ class StaticRunner(LayerRunner):
         self.offsets = torch.arange(self.largest, device=device)  # [largest]
         self.key_positions = self.positions[0]  # [capacity]
 
-    def run(self, hidden: torch.Tensor, layers, start: int, tree: TokenTree | None = None) -> torch.Tensor:
+    def run(self, hidden: torch.Tensor, layers, start: int, tree: TokenTree | None = None, *, probe=None) -> torch.Tensor:
         """Run `layers` on `hidden` `[1, q, hidden]` at positions start..start+q-1, padded to its bucket.
 
         With a `tree` (`tree.py`), row r is written at slot start + r, sits at
-        start + its depth and sees the prefix and its ancestors.
+        start + its depth and sees the prefix and its ancestors. `probe`: as
+        `LayerRunner.run`'s (it sees the q real rows; such a pass is not captured).
         """
         layers = tuple(layers)
         q = hidden.shape[1]
@@ -88,7 +89,8 @@ class StaticRunner(LayerRunner):
         width = bucket(q, self.largest)
         if width > q:
             hidden = F.pad(hidden, (0, 0, 0, width - q))  # [1, width, hidden], zero rows after the real ones
-        out = self.fixed_pass(hidden, layers, start, self.tree_rows(tree, start, width))  # [1, width, hidden]
+        real_rows = None if probe is None else (lambda i, before, after: probe(i, before[:, :q], after[:, :q]))
+        out = self.fixed_pass(hidden, layers, start, self.tree_rows(tree, start, width), probe=real_rows)  # [1, width, hidden]
         for i in layers:
             self.cache.lengths[i] = start + q
         return out[:, :q]
@@ -107,10 +109,11 @@ class StaticRunner(LayerRunner):
         visible[:q, :q] = tree.visibility().to(device)
         return start + depths, visible
 
-    def fixed_pass(self, hidden: torch.Tensor, layers: tuple[int, ...], start, tree_rows=None) -> torch.Tensor:
+    def fixed_pass(self, hidden: torch.Tensor, layers: tuple[int, ...], start, tree_rows=None, probe=None) -> torch.Tensor:
         """`layers` on `hidden` `[1, width, hidden]` at start..start+width-1; `start` an int or a 0-d device tensor.
 
         `tree_rows` (`tree_rows()`): the rows' positions and visibility of a tree pass.
+        `probe(layer, before, after)`: called after each layer (`auto_layers.py`).
         """
         width = hidden.shape[1]
         if width <= self.largest:
@@ -129,6 +132,7 @@ class StaticRunner(LayerRunner):
                     masks[window] = self.capacity_mask(positions, window)
                 else:
                     masks[window] = self.tree_capacity_mask(start, *tree_rows, window)
+            before = hidden
             hidden = self.call(
                 self.layers[i],
                 hidden,
@@ -137,6 +141,8 @@ class StaticRunner(LayerRunner):
                 position_ids=positions[None],
                 cache=self.cache,
             )
+            if probe is not None:
+                probe(i, before, hidden)
         return hidden
 
     def span(self, start, width: int) -> int:
@@ -245,10 +251,11 @@ class GraphedRunner(StaticRunner):
         self.capture_seconds = 0.0
         self.graph_error: str | None = None
 
-    def fixed_pass(self, hidden: torch.Tensor, layers: tuple[int, ...], start, tree_rows=None) -> torch.Tensor:
+    def fixed_pass(self, hidden: torch.Tensor, layers: tuple[int, ...], start, tree_rows=None, probe=None) -> torch.Tensor:
         width = hidden.shape[1]
-        if isinstance(start, torch.Tensor) or width > self.largest:  # inside a capture, or a wide prefill
-            return super().fixed_pass(hidden, layers, start, tree_rows)
+        # Inside a capture, a wide prefill, or a pass whose layers report to a probe: uncaptured.
+        if isinstance(start, torch.Tensor) or width > self.largest or probe is not None:
+            return super().fixed_pass(hidden, layers, start, tree_rows, probe)
         key = (layers, width, tree_rows is not None)
         captured = self.graphs.get(key)
         if captured is not None:

@@ -58,13 +58,19 @@ def run_static_rounds(
     stats: GenerationStats,
     draft_length: int,
     generator: torch.Generator | None,
+    auto=None,
 ) -> None:
-    """Decode until `out` is done; `out.tokens` ends with a token that is not in the cache yet."""
+    """Decode until `out` is done; `out.tokens` ends with a token that is not in the cache yet.
+
+    `auto`: an auto plan's layer choice (`auto_layers.AutoLayers`), or None.
+    """
     device = runner.positions.device
     clock = RoundClock(device)
     last = torch.tensor([[out.tokens[-1]]], device=device)  # [1, 1]
     while not out.done:
         start = len(out.tokens) - 1  # position of `last`
+        if auto is not None:  # an auto plan: maybe another layer set from this round
+            auto.before_round(policy)
         policy.begin_round(min(draft_length, out.remaining - 1))
         # Logits processors that read earlier tokens get them on the device (none: nothing is copied).
         history = torch.tensor(out.tokens, device=device) if scorer.processors else None  # [n]

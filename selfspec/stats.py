@@ -42,6 +42,7 @@ class GenerationStats:
     final_threshold: float | None = None
     step: str = ""  # how passes ran: "eager", "static", or CUDA graphs (with how many, and their capture time)
     capture_seconds: float = 0.0  # CUDA graph capture in this call (0 once the graphs exist)
+    layer_sets: str = ""  # an auto plan: the layer sets it drafted with, and the round each began at
 
     @property
     def acceptance_rate(self) -> float:
@@ -121,6 +122,8 @@ class GenerationStats:
         if self.step:
             lines.append(f"step: {self.step}" + (f"; captured graphs in this call: {self.capture_seconds:.2f} s"
                                                  if self.capture_seconds else ""))
+        if self.layer_sets:
+            lines.append(f"layers chosen (auto): {self.layer_sets}")
         if self.policy:
             lines.append(f"draft length: {self.policy}")
         if self.costs:

@@ -78,12 +78,17 @@ def test_greedy_matches_generate(arch, data):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_default_plan_is_lossless(arch):
+    """With no tuned plan the default is an auto plan; the adapter's old rule (an early exit) still works."""
     model = model_for(arch)
     spec = selfspec.wrap(model)
-    assert spec.plan.drafts and spec.plan.name == f"{spec.adapter.name}-default"
+    assert spec.plan.auto and spec.plan.name == f"{spec.adapter.name}-auto"
     prompt = random_prompt(24, seed=5)
     ref = model.generate(prompt, do_sample=False, max_new_tokens=32)
     assert_same(spec.generate(prompt, max_new_tokens=32), ref, spec.plan)
+    assert spec.last_stats.layer_sets.startswith("round 0:")
+    rule = spec.adapter.rule_plan(model.config)
+    assert rule.exit_layer and rule.name == f"{spec.adapter.name}-default"
+    assert_same(selfspec.wrap(model, plan=rule).generate(prompt, max_new_tokens=32), ref, rule)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

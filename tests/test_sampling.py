@@ -18,7 +18,8 @@ What is tested
    tokens 2-4 come from drafted/verified rounds (accepted, recovered, bonus).
    Plans: early exit, layer subsets, an exit head, and a head with a draft
    vocabulary of 6 of the 16 tokens (q is zero outside it, p is not), and
-   n-gram token trees (a prompt where every token has two successors).
+   n-gram token trees (a prompt where every token has two successors), and
+   an auto plan whose layers are re-chosen every round.
    An engine that always accepts the draft must fail the same check.
 3. Seeded runs reproduce exactly (explicit generator; global seed).
 4. Plain sampling (draft_length=0) and drafted sampling both run.
@@ -37,13 +38,13 @@ c = ln(2 V / DELTA), so each check falsely fails with probability at most
 DELTA = 1e-7, whatever the number of cells. A cell with p_i = 0 that is ever
 observed gives KL = inf: an impossible token fails the check outright.
 
-This file runs CHECKS_IN_FILE = 104 such checks on samples whose law is the
+This file runs CHECKS_IN_FILE = 112 such checks on samples whose law is the
 reference law (test 1: 6 pairs for each of the two implementations of the
 rule, the host one and the device one of the static step, + 4 Markov-chain
 checks + 1 token-tree check + 7 checks that the wrong-rule harnesses produce
-the wrong rules' own exact laws; test 2: 10 cases x 8, three of them on the
+the wrong rules' own exact laws; test 2: 11 cases x 8, three of them on the
 static step), so over random seeds the whole file would falsely fail with
-probability at most 104 * 1e-7 = 1.04e-5. All seeds are fixed, so the outcome is
+probability at most 112 * 1e-7 = 1.12e-5. All seeds are fixed, so the outcome is
 deterministic anyway.
 
 Power (a wrong sampler must fail): in test 1 a wrong rule is only run on
@@ -73,13 +74,15 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 import selfspec
 import selfspec.engine
+import selfspec.auto_layers
 import selfspec.static_loop
 from selfspec.acceptance import Verdict, accept_sampling, accept_sampling_on_device, sample
+from selfspec.stats import GenerationStats
 from selfspec.testing import make_head, make_vocab
 from selfspec.tree import TokenTree, accept_tree_sampling, accept_tree_sampling_on_device
 
 DELTA = 1e-7  # false-failure probability bound of one `assert_distribution` check
-CHECKS_IN_FILE = 104  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
+CHECKS_IN_FILE = 112  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -463,6 +466,13 @@ CASES.update(TREE_CASES)
 CASES["static step: T=1, n-gram trees (<= 6 nodes) then layers=[0,2], k=3"] = (
     TREE_CASES["T=1, n-gram trees (<= 6 nodes) then layers=[0,2], k=3"]
 )
+# An auto plan (`auto_layers.py`): its layers re-chosen every round from what the rounds before accepted (so from
+# earlier samples); the proposal may depend on the past, never on the token it proposes for.
+AUTO_CASE = "T=1, auto layers re-chosen every round (flat profile), k<=3"
+CASES[AUTO_CASE] = (selfspec.DraftPlan(auto=True, draft_length=3), dict(temperature=1.0),
+                    LogitsProcessorList([]))
+COSTS[AUTO_CASE] = "flat"
+PATCHES = {AUTO_CASE: {"CHOOSE_EVERY": 1, "PROBE_EVERY": 1}}
 PROMPTS = {case: TREE_PROMPT for case in CASES if "trees" in case}
 STEPS = {case: "static" for case in CASES if case.startswith("static step")}
 
@@ -471,13 +481,16 @@ def run_many(spec, n: int, seed: int, prompt: torch.Tensor = PROMPT, **sampling)
     g = torch.Generator().manual_seed(seed)
     seen = collections.Counter()
     totals = dict(drafted=0, accepted=0, recovered=0, bonus=0, tree_rounds=0)
+    totals["layer set changes"] = 0
     for _ in range(n):
         out = spec.generate(prompt, max_new_tokens=NEW, do_sample=True, generator=g, **sampling)
         new = tuple(out[0, prompt.shape[1] :].tolist())
         assert len(new) == NEW
         seen[new] += 1
         for key in totals:
-            totals[key] += getattr(spec.last_stats, key)
+            if key in GenerationStats.__dataclass_fields__:
+                totals[key] += getattr(spec.last_stats, key)
+        totals["layer set changes"] += max(0, spec.last_stats.layer_sets.count("round ") - 1)
     counts = torch.zeros((VOCAB,) * NEW, dtype=torch.long)
     for new, c in seen.items():
         counts[new] = c
@@ -496,8 +509,10 @@ def assert_joint_matches(counts: torch.Tensor, exact: torch.Tensor, what: str) -
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_sampling_matches_exact_target_law(model, artifacts, case):
+def test_sampling_matches_exact_target_law(model, artifacts, case, monkeypatch):
     """selfspec samples vs the exact law from full forwards: 8 checks at DELTA = 1e-7, N = 1,000 runs."""
+    for name, value in PATCHES.get(case, {}).items():
+        monkeypatch.setattr(selfspec.auto_layers, name, value)
     plan, sampling, warpers = CASES[case]
     plan = plan(artifacts) if callable(plan) else plan
     prompt = PROMPTS.get(case, PROMPT)
@@ -511,6 +526,8 @@ def test_sampling_matches_exact_target_law(model, artifacts, case):
         assert totals["tree_rounds"] > N_E2E / 2 and totals["recovered"] > 0, totals
     else:
         assert totals["recovered"] > 0 and totals["bonus"] > 0, totals
+    if case in PATCHES:  # the layer set really changed within generations
+        assert totals["layer set changes"] > N_E2E / 10, totals
     assert_joint_matches(counts, exact, case)
 
 

@@ -1,0 +1,156 @@
+"""`plan="auto"`: the draft's layers, chosen per context while generating, with no offline search.
+
+Two signals, both already at hand:
+
+- **How much each layer changes the tokens the target verifies.** The target's
+  own passes (the prefill, then every `PROBE_EVERY`-th verify pass) report,
+  per layer, 1 - cos(input, output) over their rows (`LayerInfluence`, a
+  moving average; ShortGPT calls it block influence). A layer that barely
+  turns the hidden state is the cheapest to leave out. For a budget of L
+  layers the draft runs the L that change it most, always with the first and
+  the last, in model order.
+- **What each budget earns.** A few budgets are candidates (about 1/2, 2/3,
+  5/6 of the layers and all but one). The cost policy keeps acceptance
+  estimates per chosen layer set and predicts each set's tokens per second
+  from them and from its cost (a drafted token costs the table's draft step
+  scaled by the weights the set reads: its layers plus the LM head). Every
+  `CHOOSE_EVERY` rounds the set with the best prediction drafts; an untried
+  set is predicted at the prior, so each gets tried, and estimates fade, so
+  a set written off is tried again later. When no set beats plain steps the
+  cost policy drafts nothing from the layers.
+
+Changing the set between rounds is free: a verify pass writes every layer's
+entries, so at the top of a round every layer holds the target's entries for
+every verified token, whichever layers the next draft runs. The choice uses
+only past tokens and the target's past computation (and, when sampling, the
+fixed cost table rather than timings), so output stays exactly the target's.
+
+On CUDA graphs the verify passes replay captured graphs; only the prefill
+reports layer changes there (the budget choice still runs every few rounds).
+
+This module chooses layers; it does not run them (`runner.py`), verify or accept.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .draft import Drafter
+from .memory import parameter_bytes
+from .passes import TargetPasses
+from .plan import auto_reference_layers
+
+BUDGET_FRACTIONS = (0.5, 0.67, 0.83)  # candidate layer budgets, as fractions of the layer count (and N - 1)
+PROBE_EVERY = 4  # rounds between verify passes that report layer changes
+CHOOSE_EVERY = 4  # rounds between choices of the layer set
+INFLUENCE_DECAY = 0.8  # weight of the past in the per-layer moving average
+
+
+class LayerInfluence:
+    """Per layer, a moving average of 1 - cos(input, output) over the rows of the target's passes."""
+
+    def __init__(self, num_layers: int, device: torch.device) -> None:
+        self.change = torch.zeros(num_layers, device=device)  # [layers]
+        self.seen = [False] * num_layers
+        self.ranked: list[int] | None = None  # the last ranking, until a pass reports again
+
+    def __call__(self, layer: int, before: torch.Tensor, after: torch.Tensor) -> None:
+        """Record a layer's effect on its rows: `before`, `after` `[1, q, hidden]` (on the device, no sync)."""
+        change = 1.0 - F.cosine_similarity(before.float(), after.float(), dim=-1).mean()
+        self.ranked = None
+        if self.seen[layer]:
+            self.change[layer].lerp_(change, 1.0 - INFLUENCE_DECAY)
+        else:
+            self.change[layer] = change
+            self.seen[layer] = True
+
+    def ranking(self) -> list[int]:
+        """Layers, the ones that change the hidden state most first (one read back, when passes reported since)."""
+        if self.ranked is None:
+            change = self.change.tolist()
+            self.ranked = sorted(range(len(change)), key=lambda i: (-change[i], i))
+        return self.ranked
+
+
+def candidate_budgets(num_layers: int) -> list[int]:
+    """Layer counts an auto plan's draft may run: fractions of the layers, and all but one; at least 1."""
+    budgets = {round(f * num_layers) for f in BUDGET_FRACTIONS} | {num_layers - 1}
+    return sorted(b for b in budgets if 1 <= b < num_layers) or [1]
+
+
+def layers_for(budget: int, ranking: list[int], num_layers: int) -> tuple[int, ...]:
+    """The `budget` layers that change the hidden state most, the first and the last always among them."""
+    chosen = [i for i in (0, num_layers - 1)][:budget]
+    chosen += [i for i in ranking if i not in chosen][: budget - len(chosen)]
+    return tuple(sorted(set(chosen)))
+
+
+def exact_prefix(layers: tuple[int, ...]) -> int:
+    """Leading layers 0..s-1 the set runs as the target does."""
+    s = 0
+    while s < len(layers) and layers[s] == s:
+        s += 1
+    return s
+
+
+class AutoLayers:
+    """The layer choice of one auto-plan generation; the decode loops call `before_round` and `after_round`."""
+
+    def __init__(self, drafter: Drafter, passes: TargetPasses, *, layer_weights: list[float], head_weight: float,
+                 device: torch.device, probe_verify: bool = True) -> None:
+        self.drafter = drafter
+        self.passes = passes
+        self.num_layers = len(layer_weights)
+        self.layer_weights = layer_weights
+        self.head_weight = head_weight
+        self.reference = self.weight(auto_reference_layers(self.num_layers))
+        self.budgets = candidate_budgets(self.num_layers)
+        self.influence = LayerInfluence(self.num_layers, device)
+        self.probe_verify = probe_verify  # False on CUDA graphs: their verify passes replay, unobserved
+        self.rounds = 0
+        self.history: list[tuple[int, tuple[int, ...]]] = []  # (round, layers) each time the set changed
+        passes.probe = self.influence  # the prefill reports every layer
+
+    def weight(self, layers: tuple[int, ...]) -> float:
+        return sum(self.layer_weights[i] for i in layers) + self.head_weight
+
+    def before_round(self, policy) -> None:
+        """At the top of a round: every few rounds re-pick the set, and say whether this round's verify pass
+        reports layer changes."""
+        if self.rounds % CHOOSE_EVERY == 0:
+            self.choose(policy)
+        self.passes.probe = self.influence if self.probe_verify and self.rounds % PROBE_EVERY == 0 else None
+        self.rounds += 1
+
+    def choose(self, policy) -> None:
+        ranking = self.influence.ranking()
+        best, best_rate = None, -1.0
+        for budget in self.budgets:
+            layers = layers_for(budget, ranking, self.num_layers)
+            rate = policy.layer_rate(layers, exact_prefix=exact_prefix(layers), draft_scale=self.scale(layers))
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = layers, rate
+        if best != self.drafter.draft_layers or not self.history:
+            self.use(best, policy)
+
+    def scale(self, layers: tuple[int, ...]) -> float:
+        """A drafted token's cost with `layers`, relative to the reference set the cost table timed."""
+        return self.weight(layers) / self.reference
+
+    def use(self, layers: tuple[int, ...], policy) -> None:
+        self.drafter.set_layers(layers)
+        self.passes.exact_prefix = self.drafter.exact_prefix
+        policy.use_layers(layers, exact_prefix=self.drafter.exact_prefix, draft_scale=self.scale(layers))
+        self.history.append((self.rounds, layers))
+
+    def describe(self) -> str:
+        """The sets chosen over the generation, with the round each began at."""
+        return "; ".join(f"round {r}: {len(layers)}/{self.num_layers} {list(layers)}" for r, layers in self.history)
+
+
+def layer_weights(parts) -> tuple[list[float], float]:
+    """Bytes each layer's weights take (quantized ones as stored), and the LM head's with the final norm:
+    what a drafted token reads."""
+    return ([float(parameter_bytes([layer])) for layer in parts.layers],
+            float(parameter_bytes([parts.lm_head, parts.norm])))

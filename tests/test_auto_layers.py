@@ -1,0 +1,169 @@
+"""`plan="auto"`: layers chosen per context while generating (`selfspec/auto_layers.py`).
+
+What is tested: the pieces (budgets, which layers a budget keeps, the ranking
+by how much a layer changes its rows, the policy's per-set estimates and
+predicted rates); that a generation changes its layer set and stays equal to
+`model.generate` in float64 for every architecture, on the eager and the
+static step, with the layer sets' cache entries in step; that the choice is
+made afresh per generation and reproduced by a seed when sampling; the plan
+field, its JSON form and its bad inputs. The sampling law with an auto plan is
+tested in `test_sampling.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import selfspec
+from plan_strategies import assert_same
+from selfspec.auto_layers import AutoLayers, LayerInfluence, candidate_budgets, exact_prefix, layers_for
+from selfspec.costs import PassCosts, RuntimeCosts
+from selfspec.draft import Draft
+from selfspec.policy import CostPolicy
+from selfspec.testing import TINY_CONFIGS, random_prompt, tiny_model
+
+ARCHS = sorted(TINY_CONFIGS)
+AUTO = selfspec.DraftPlan(auto=True, ngram=3, tree=8, draft_length=5)
+
+
+def repetitive_prompt(seed: int) -> torch.Tensor:
+    """A random prompt repeated: n-gram rounds and layer rounds both happen."""
+    return torch.cat([random_prompt(10, seed=seed)] * 3, dim=1)
+
+
+def test_candidate_budgets():
+    assert candidate_budgets(30) == [15, 20, 25, 29]
+    assert candidate_budgets(6) == [3, 4, 5]
+    assert candidate_budgets(2) == [1]
+    assert candidate_budgets(1) == [1]
+
+
+def test_a_budget_keeps_the_first_and_last_layers_and_then_the_most_changing():
+    ranking = [3, 7, 0, 9, 5, 1, 2, 4, 6, 8]
+    assert layers_for(4, ranking, 10) == (0, 3, 7, 9)
+    assert layers_for(2, ranking, 10) == (0, 9)
+    assert layers_for(1, ranking, 10) == (0,)
+    assert layers_for(10, ranking, 10) == tuple(range(10))
+    assert exact_prefix((0, 1, 2, 5, 9)) == 3 and exact_prefix((1, 2)) == 0 and exact_prefix(()) == 0
+
+
+def test_influence_ranks_a_layer_that_changes_nothing_last():
+    influence = LayerInfluence(3, torch.device("cpu"))
+    x = torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(0))
+    influence(0, x, x + torch.randn(1, 4, 8) * 0.5)  # a small turn
+    influence(1, x, x)  # identity: cos = 1, change 0
+    influence(2, x, -x)  # reverses the state: change 2
+    assert influence.ranking() == [2, 0, 1]
+    influence(1, x, -x)  # a moving average: one report moves layer 1 up, not to the top
+    change = influence.change.tolist()
+    assert 0 < change[1] < change[2] and influence.ranking()[0] == 2
+
+
+def policy_with(costs: PassCosts) -> CostPolicy:
+    return CostPolicy(selfspec.DraftPlan(auto=True, draft_length=6), RuntimeCosts(costs, learn=False))
+
+
+def test_policy_keeps_estimates_per_layer_set_and_prefers_the_one_that_is_accepted():
+    costs = PassCosts.profile("flat", max_width=7, step=1.0, draft_fraction=0.5, num_layers=10)
+    policy = policy_with(costs)
+    good, poor = (0, 1, 2, 9), (0, 9)
+    untried = policy.layer_rate(good, exact_prefix=3, draft_scale=1.0)
+    assert untried == policy.layer_rate(poor, exact_prefix=1, draft_scale=1.0)  # both at the prior
+    for accepted, layers in [(4, good), (0, poor)] * 10:  # `good` drafts accepted, `poor` ones rejected
+        policy.use_layers(layers, exact_prefix=exact_prefix(layers), draft_scale=1.0)
+        policy.observe(Draft([1] * 4, None, [], confidences=[0.9] * 4), accepted, draft_seconds=0.0,
+                       verify_seconds=0.0, width=5)
+    rate_good = policy.layer_rate(good, exact_prefix=3, draft_scale=1.0)
+    rate_poor = policy.layer_rate(poor, exact_prefix=1, draft_scale=1.0)
+    assert rate_good > untried * 0.9 and rate_poor == pytest.approx(1.0)  # `poor`: plain steps (k = 0) pay best
+    assert rate_good > 1.5 * rate_poor
+    # A costlier draft of the same acceptance is predicted slower; the active set is left as it was.
+    assert policy.layer_rate(good, exact_prefix=3, draft_scale=1.5) < rate_good
+    assert policy.exact_prefix == exact_prefix(poor) and policy.draft_scale == 1.0
+
+
+def test_layer_sets_fade_back_toward_the_prior():
+    policy = policy_with(PassCosts.profile("flat", max_width=7, num_layers=10))
+    policy.use_layers((0, 9), exact_prefix=1, draft_scale=1.0)
+    for _ in range(5):
+        policy.observe(Draft([1] * 3, None, [], confidences=[0.5] * 3), 0, draft_seconds=0.0, verify_seconds=0.0,
+                       width=4)
+    low = policy.acceptance.layer_position(1)
+    policy.use_layers((0, 1, 9), exact_prefix=2, draft_scale=1.0)
+    for _ in range(200):  # rounds drafted with another set: the first set's evidence fades
+        policy.acceptance.decay()
+    policy.use_layers((0, 9), exact_prefix=1, draft_scale=1.0)
+    assert low < 0.3 < policy.acceptance.layer_position(1)
+
+
+@pytest.mark.parametrize("step", ["eager", "static"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_auto_plan_equals_generate_in_float64(arch, step):
+    """Whether the set changes depends on what each set earns here; changing sets is tested below (llama)."""
+    model = tiny_model(arch)
+    for seed, costs in [(1, "flat"), (2, "linear"), (3, None)]:
+        prompt = repetitive_prompt(seed)
+        ref = model.generate(prompt, do_sample=False, max_new_tokens=40)
+        spec = selfspec.wrap(model, plan=AUTO, costs=costs, step=step)
+        assert_same(spec.generate(prompt, max_new_tokens=40), ref, f"{arch} {step} auto, costs={costs}")
+
+
+def test_choice_is_made_afresh_per_generation_and_the_cache_stays_in_step():
+    model = tiny_model("llama")
+    spec = selfspec.wrap(model, plan=AUTO, costs="flat")
+    prompt = repetitive_prompt(4)
+    first = spec.generate(prompt, max_new_tokens=40)
+    sets = spec.last_stats.layer_sets
+    assert sets.count("round ") > 1  # the set changed during the generation
+    again = spec.generate(prompt, max_new_tokens=40)
+    assert torch.equal(first, again) and spec.last_stats.layer_sets == sets  # same start, same choices
+
+
+def test_sampling_with_an_auto_plan_reproduces_with_a_seed():
+    model = tiny_model("qwen2")
+    spec = selfspec.wrap(model, plan=AUTO, costs="flat")
+    kwargs = {"max_new_tokens": 30, "do_sample": True, "temperature": 0.8}
+    a = spec.generate(repetitive_prompt(5), generator=torch.Generator().manual_seed(7), **kwargs)
+    b = spec.generate(repetitive_prompt(5), generator=torch.Generator().manual_seed(7), **kwargs)
+    assert torch.equal(a, b) and spec.last_stats.drafted > 0
+
+
+def test_graphs_step_probes_only_the_prefill(monkeypatch):
+    """Captured verify passes cannot report their layers: there the choice runs on the prefill's report."""
+    model = tiny_model("llama")
+    spec = selfspec.wrap(model, plan=AUTO, costs="flat", step="static")
+    probed = []
+    original = AutoLayers.__init__
+
+    def without_verify_probes(self, *args, **kwargs):
+        original(self, *args, **{**kwargs, "probe_verify": False})
+        probed.append(self)
+
+    monkeypatch.setattr(AutoLayers, "__init__", without_verify_probes)
+    prompt = repetitive_prompt(6)
+    ref = model.generate(prompt, do_sample=False, max_new_tokens=30)
+    assert_same(spec.generate(prompt, max_new_tokens=30), ref, "auto, prefill probe only")
+    assert all(probed[0].influence.seen)  # the prefill reported every layer
+
+
+def test_plan_field_json_and_strings():
+    model = tiny_model("gpt2")
+    spec = selfspec.wrap(model, plan="auto")
+    assert spec.plan == selfspec.DraftPlan.auto_plan() and "chosen per context" in spec.describe_plan()
+    assert selfspec.DraftPlan.from_json(spec.plan.to_json()) == spec.plan
+    assert spec.plan.draft_layers(6) == (0, 1, 2)  # the reference set its cost table times
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"auto": True, "layers": [0, 1]}, "drop layers"),
+        ({"auto": True, "exit_layer": 2}, "drop exit_layer"),
+        ({"auto": True, "policy": "fixed"}, "needs policy='cost'"),
+        ({"auto": "yes"}, "auto must be true or false"),
+    ],
+)
+def test_bad_auto_plans(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        selfspec.DraftPlan(**kwargs)
