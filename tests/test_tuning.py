@@ -213,11 +213,16 @@ def test_tune_end_to_end(model, prompts, tmp_path):
         proxy_check_prompts=2,
         cost_repeats=2,
         max_draft_length=4,
+        trees=(0, 6),
         progress=False,
     )
     assert result.best_plan.drafts and result.best is not None
     labels = [c.label for c in result.confirmations]
     assert labels[0] == "plain" and "#1" in labels and "default" in labels
+    variants = {c.label: c for c in result.confirmations if c.label.startswith("#1+")}
+    assert set(variants) == {"#1+ngram", "#1+ngram+tree6"}  # the tuner times tree budgets too
+    assert variants["#1+ngram+tree6"].plan.tree == 6 and variants["#1+ngram"].plan.ngram == 3
+    assert all(v.candidate is result.confirmations[labels.index("#1")].candidate for v in variants.values())
     assert all(c.lossless for c in result.confirmations)  # float64: token-identical to the plain path
     assert result.confirmations[0].speedup == pytest.approx(1.0)
     assert len(result.proxy_check.rows) >= 2
@@ -248,3 +253,7 @@ def test_cli_arguments_and_command():
     args = parser.parse_args(["smollm2-135m-instruct", "--dtype", "bfloat16", "--budget", "300", "--skip-ends"])
     assert (args.optimizer, args.confirm, args.prompts, args.max_new_tokens) == ("greedy", 3, 10, 48)
     assert format_command(args) == "selfspec tune smollm2-135m-instruct --dtype bfloat16 --budget 300 --skip-ends"
+    assert parser.parse_args(["m", "--trees", "0,8,16"]).trees == (0, 8, 16)
+    for bad in ("x", "8,99", ""):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["m", "--trees", bad])

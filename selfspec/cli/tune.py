@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--skip-ends", action="store_true",
                         help="let layer-skip plans drop the first and last layer too (default: keep them)")
     parser.add_argument("--no-default", action="store_true", help="do not time the adapter's current plan")
+    parser.add_argument("--trees", type=tree_budgets, default=(),
+                        help="comma list of node budgets: also time the best plan with n-gram lookup first, as "
+                             "chains (0) or token trees of that many nodes (e.g. 0,8,16; default: none)")
     parser.add_argument("--out", type=common.text, help="plan JSON path (default: <model>-<dtype>-plan.json)")
     parser.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
     parser.add_argument("--seed", type=integer(0), default=0)
@@ -78,8 +81,19 @@ def tune_config(args: argparse.Namespace) -> TuneConfig:
         confirm=args.confirm, confirm_repeats=args.confirm_repeats, proxy_check=args.proxy_check,
         proxy_check_prompts=args.proxy_check_prompts, max_draft_length=args.max_draft_length,
         keep_ends=not args.skip_ends, seed=args.seed, include_default=not args.no_default,
-        name=f"{Path(str(args.model)).name}-{args.dtype}-tuned",
+        name=f"{Path(str(args.model)).name}-{args.dtype}-tuned", trees=args.trees,
     )
+
+
+def tree_budgets(text: str) -> tuple[int, ...]:
+    """`--trees 0,8,16` as node budgets 0..64."""
+    try:
+        budgets = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        budgets = ()
+    if not budgets or any(not 0 <= b <= 64 for b in budgets):
+        raise argparse.ArgumentTypeError(f"expected a comma list of node budgets 0..64 like 0,8,16, got {text!r}")
+    return budgets
 
 
 def run(args: argparse.Namespace) -> int:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..plan import MAX_DRAFT_LENGTH
 from ..registry import adapter_for
 from .calibration import CalibrationSequence, make_calibration
 from .candidate import Candidate
@@ -80,6 +81,9 @@ class TuneConfig:
     name: str = "tuned"
     include_default: bool = True
     cost_repeats: int = 15
+    trees: tuple[int, ...] = ()  # node budgets: the best plan is also timed with n-gram lookup as trees of this size
+
+    TREE_NGRAM = 3  # the n-gram lookup a tree variant adds
 
     def __post_init__(self) -> None:
         minimum = dict(max_new_tokens=2, budget=1, rescore=0, confirm=0, confirm_repeats=1, proxy_check=0,
@@ -90,6 +94,10 @@ class TuneConfig:
                 raise ValueError(f"{key} must be an integer, got {value!r}")
             if value < low:
                 raise ValueError(f"{key}={value} out of range (valid: >= {low})")
+        if not isinstance(self.trees, (tuple, list)) or any(isinstance(t, bool) or not isinstance(t, int)
+                                                             or not 0 <= t <= MAX_DRAFT_LENGTH for t in self.trees):
+            raise ValueError(f"trees must be node budgets 0..{MAX_DRAFT_LENGTH} (0: n-gram chains), got {self.trees!r}")
+        object.__setattr__(self, "trees", tuple(self.trees))
         for key, valid in (("optimizer", OPTIMIZERS), ("optuna_sampler", OPTUNA_SAMPLERS),
                            ("search_proxy", SEARCH_PROXIES)):
             if getattr(self, key) not in valid:
@@ -203,13 +211,20 @@ def confirm_ranked(model, exact: ProxyEvaluator, ranked: list[Candidate], prompt
                    config: TuneConfig, progress: bool) -> list[Confirmation]:
     """Time the `config.confirm` best plans (and the adapter's default) against the plain path on `prompts`."""
     entries = [(f"#{r}", c.plan(name=f"{config.name}-{r}")) for r, c in enumerate(ranked[: config.confirm], 1)]
+    tuned = {label: c for (label, _), c in zip(entries, ranked)}
+    if ranked and config.trees:  # the best plan with n-gram lookup first, as chains (0) or trees of each budget
+        best = entries[0][1] if entries else ranked[0].plan(name=f"{config.name}-1")
+        for nodes in config.trees:
+            label = "#1+ngram" + (f"+tree{nodes}" if nodes else "")
+            entries.append((label, dataclasses.replace(best, ngram=config.TREE_NGRAM, tree=nodes,
+                                                       name=f"{best.name}-{label[3:]}")))
+            tuned[label] = ranked[0]
     if config.include_default:
         entries.append(("default", adapter_for(model).plan_for(model.config)))
     confirmations = confirm_plans(model, entries, prompts, max_new_tokens=config.max_new_tokens,
                                   repeats=config.confirm_repeats, progress=progress)
     for c in confirmations:
-        if c.label.startswith("#"):
-            c.candidate = ranked[int(c.label[1:]) - 1]
+        c.candidate = tuned.get(c.label, c.candidate)
         if c.plan.drafts:
             layers = c.plan.draft_layers(exact.num_layers)
             c.proxy = exact.simulate(layers, Policy.from_plan(c.plan))
