@@ -253,7 +253,8 @@ def test_cli_arguments_and_command():
     args = parser.parse_args(["smollm2-135m-instruct", "--dtype", "bfloat16", "--budget", "300", "--skip-ends"])
     assert (args.optimizer, args.confirm, args.prompts, args.max_new_tokens) == ("greedy", 3, 10, 48)
     assert format_command(args) == "selfspec tune smollm2-135m-instruct --dtype bfloat16 --budget 300 --skip-ends"
-    assert parser.parse_args(["m", "--trees", "0,8,16"]).trees == (0, 8, 16)
+    with_trees = parser.parse_args(["m", "--trees", "0,8,16"])
+    assert with_trees.trees == (0, 8, 16) and format_command(with_trees) == "selfspec tune m --trees 0,8,16"
     for bad in ("x", "8,99", ""):
         with pytest.raises(SystemExit):
             parser.parse_args(["m", "--trees", bad])

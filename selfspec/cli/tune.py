@@ -164,6 +164,8 @@ def format_command(args: argparse.Namespace) -> str:
         flag = "--" + key.replace("_", "-")
         if value is True:
             words.append(flag)
+        elif isinstance(value, tuple):
+            words += [flag, ",".join(map(str, value))]
         elif value not in (False, None):
             words += [flag, str(value)]
     return shlex.join(words)
