@@ -56,9 +56,14 @@ def error_response(status: int, message: str, *, type: str = "invalid_request_er
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
 def validation_message(error: dict) -> tuple[str, str | None]:
     """(message, param) for one pydantic error of a request body."""
-    location = [str(part) for part in error.get("loc", ()) if part != "body"]
+    # A union's errors name the member tried ('str', 'list[int]', 'function-after[...]'): not part of the path.
+    location = [str(part) for part in error.get("loc", ())
+                if part != "body" and not (isinstance(part, str) and (part in TYPE_TAGS or "[" in part))]
     param = ".".join(location) or None
     if error.get("type") == "json_invalid":
         return f"the request body is not valid JSON ({error.get('msg', '')})", None
