@@ -310,6 +310,54 @@ def test_client_disconnect_cancels_its_request_only(server, tiny):
     assert chat(server, "w52").choices[0].message.content == reference(tiny, chat_ids(tiny[1], "w52"))
 
 
+def test_non_streaming_client_gone_cancels(server):
+    cancelled = server.metric('selfspec_requests_total{outcome="cancelled"}')
+    server.gate.clear()
+    try:
+        body = {**CHAT, "max_tokens": 200, "temperature": 0}
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up while the request runs
+            httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+        wait_until(lambda: server.scheduler.running and server.scheduler.running[0].cancelled.is_set(),
+                   "the server to notice the client is gone")
+    finally:
+        server.gate.set()
+    wait_until(lambda: server.metric('selfspec_requests_total{outcome="cancelled"}') == cancelled + 1,
+               "the request to end as cancelled")
+    assert chat(server, "w3").choices[0].finish_reason == "length"
+
+
+def test_next_batch_takes_up_to_max_batch_and_runs_them_in_order():
+    """The seam for batched rounds: `_next_batch` takes up to max_batch waiting requests; today they run in turn."""
+    from selfspec.serving.generation import Job
+    from selfspec.serving.metrics import Metrics
+    from selfspec.serving.scheduler import Scheduler
+
+    ran = []
+
+    class Engine:
+        def kv_cache_bytes(self, job):
+            return 0
+
+        def run(self, job):
+            ran.append(job.prompt[0])
+            raise ValueError("not a real engine")  # a failing request: reported to it, the worker goes on
+
+    events = []
+    scheduler = Scheduler(Engine(), Metrics(), max_batch=2, max_queue=8)
+    jobs = [Job(prompt=[i], max_tokens=1, temperature=0, top_p=1, seed=None, stop=[], stream=False,
+                sink=events.append) for i in range(3)]
+    for job in jobs:
+        scheduler.submit(job)
+    jobs[1].cancel()  # cancelled after it was queued: skipped when its turn comes
+    batch = scheduler._next_batch()
+    assert batch == jobs[:2] and scheduler.queue_depth == 1 and scheduler.running == jobs[:2]
+    scheduler._run_batch(batch)
+    assert ran == [0] and scheduler.running == []
+    assert [j.outcome for j in jobs] == ["failed", "cancelled", None]
+    assert scheduler._next_batch() == jobs[2:]
+    scheduler.stop()
+
+
 def test_queue_full_is_429(tiny):
     with serving(*tiny, max_queue=1) as server:
         server.gate.clear()

@@ -28,7 +28,9 @@ EPILOG = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.add_argument("model", type=common.text, help="known model name (e.g. smollm2-135m-instruct) or a local "
-                                                         "model folder; also the name clients send as 'model'")
+                                                         "model folder (clients send it as 'model' unless --model-name)")
+    parser.add_argument("--model-name", type=common.text, default=None, metavar="NAME",
+                        help="the name clients send as 'model' and /v1/models lists (default: MODEL as given)")
     parser.add_argument("--plan", type=common.existing_file,
                         help="a plan JSON file (default: the adapter's plan for this model)")
     parser.add_argument("--host", default="127.0.0.1", type=common.text,
@@ -69,9 +71,10 @@ def run(args: argparse.Namespace) -> int:
     spec = selfspec.wrap(model, plan=plan, step=args.step)
     print(f"selfspec: loaded in {time.perf_counter() - began:.1f} s; plan: {spec.describe_plan()}", file=sys.stderr,
           flush=True)
-    app = create_app(spec, tokenizer, model_name=args.model, max_batch=args.max_batch, max_queue=args.max_queue,
+    name = args.model_name or args.model
+    app = create_app(spec, tokenizer, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue,
                      api_key=args.api_key)
-    print(f"selfspec: serving {args.model} on http://{args.host}:{args.port}/v1 (one request at a time)",
+    print(f"selfspec: serving {name} on http://{args.host}:{args.port}/v1 (one request at a time)",
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
