@@ -3,7 +3,7 @@
 - no import cycle among `selfspec`'s modules (imports inside functions count:
   a lazy import that closes a cycle is still a cycle);
 - the engine never imports a tool (`selfspec.cli`, `selfspec.tuning`,
-  `selfspec.training`);
+  `selfspec.training`, `selfspec.serving`);
 - no module imports another module's underscored name;
 - no file in the repository edits the module search path (sys + path).
 """
@@ -17,7 +17,7 @@ import selfspec
 
 PACKAGE = Path(selfspec.__file__).resolve().parent
 REPO = PACKAGE.parent
-TOOLS = ("selfspec.cli", "selfspec.tuning", "selfspec.training")
+TOOLS = ("selfspec.cli", "selfspec.tuning", "selfspec.training", "selfspec.serving")
 
 
 def module_name(path: Path) -> str:

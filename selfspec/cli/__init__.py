@@ -6,6 +6,7 @@
     selfspec train-head smollm2-135m-instruct --exit-layer 8 --out heads/e8   # train an exit head
     selfspec count-vocab smollm2-135m-instruct --out heads/vocab              # count a draft vocabulary
     selfspec costs smollm2-135m-instruct                       # what a pass costs here, float32 and bfloat16
+    selfspec serve smollm2-135m-instruct --port 8000           # an OpenAI-compatible HTTP server
 
 Each command is a module of this package with `HELP` (one line),
 `add_arguments(parser)` and `run(args) -> exit status`; adding a command is a
@@ -29,6 +30,7 @@ COMMANDS = {  # command -> its module in selfspec.cli
     "train-head": "train_head",
     "count-vocab": "count_vocab",
     "costs": "costs",
+    "serve": "serve",
 }
 # What a command may raise for bad input or a bad environment: reported in one line. Anything else is a bug,
 # and its traceback is the bug report.

