@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .measure import Row
+from .variants import method_name, split_method_name
 
 MIB = 1024 * 1024
 
@@ -157,6 +158,47 @@ def _add_per_prompt_speedups(rows: list[Row], overall: dict, baseline: str) -> N
         stats["median_prompt_speedup"] = statistics.median(ratios) if ratios else None
 
 
+def summarize_variants(overall: dict, variants: list[str], memory: dict[str, dict], baseline: str) -> dict:
+    """Per variant: its `spec.memory()` split, and per method its median tok/s against two `model.generate`s.
+
+    `overall`: `summarize(...)["overall"]`, methods named `VARIANT/METHOD`;
+    `memory`: per variant, `variants.memory_summary(spec.memory(...))`. The
+    first variant is the reference: weights and KV cache are also given as a
+    fraction of its own, and speeds as a ratio of medians to its
+    `model.generate` ("vs reference") beside the ratio to the variant's own
+    (`vs own`). `identical` counts against the variant's own `model.generate`.
+    """
+    reference = variants[0]
+    ref_memory = memory.get(reference) or {}
+    ref_speed = (overall.get(method_name(reference, baseline)) or {}).get("median_tokens_per_second")
+    result = {}
+    for variant in variants:
+        mem = dict(memory.get(variant) or {})
+        for key in ("weight_bytes", "kv_cache_bytes"):
+            mine, theirs = mem.get(key), ref_memory.get(key)
+            mem[key.replace("_bytes", "_vs_reference")] = mine / theirs if mine is not None and theirs else None
+        own_speed = (overall.get(method_name(variant, baseline)) or {}).get("median_tokens_per_second")
+        methods = {}
+        for name, stats in overall.items():
+            owner, method = split_method_name(name)
+            if owner != variant:
+                continue
+            speed = stats["median_tokens_per_second"]
+            methods[method] = {
+                "median_tokens_per_second": speed,
+                "vs_reference": speed / ref_speed if speed and ref_speed else None,
+                "vs_own": speed / own_speed if speed and own_speed else None,
+                "acceptance_rate": stats["acceptance_rate"],
+                "tokens_per_pass": stats["tokens_per_pass"],
+                "identical": stats["identical"],
+                "near_ties": stats["near_ties"],
+                "compared": stats["compared"],
+                "errors": stats["errors"],
+            }
+        result[variant] = {"memory": mem, "methods": methods}
+    return {"reference": reference, "baseline": baseline, "variants": result}
+
+
 # --------------------------------------------------------------------------- markdown
 
 
@@ -169,7 +211,8 @@ def _mib(value) -> str:
 
 
 def markdown(
-    header: dict, summary: dict, rows: list[Row], descriptions: dict[str, str], failed: dict[str, str]
+    header: dict, summary: dict, rows: list[Row], descriptions: dict[str, str], failed: dict[str, str],
+    variants: dict | None = None,
 ) -> str:
     lines = ["# selfspec benchmark", ""]
     lines += [f"- **{key}**: {value}" for key, value in header.items() if not isinstance(value, (dict, list))]
@@ -186,6 +229,8 @@ def markdown(
             f"{_num(s['acceptance_rate'], '.1%')} | {_num(s['draft_ms_per_token'], '.1f')} | {_identical(s)} | "
             f"{_mib(s['memory_peak_bytes'])} | {_mib(s['memory_increase_bytes'])} | {descriptions.get(method, '')} |"
         )
+    if variants:
+        lines += variant_lines(variants)
     methods = list(summary["overall"])
     lines += ["", "## Speedup per category", ""]
     lines += ["| category | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
@@ -194,6 +239,50 @@ def markdown(
         lines.append(f"| {category} | " + " | ".join(cells) + " |")
     lines += _difference_lines(rows) + _error_lines(rows, failed)
     return "\n".join(lines) + "\n"
+
+
+def _times(value) -> str:
+    return "" if value is None else f" ({value:.2f}x)"
+
+
+def variant_lines(variants: dict) -> list[str]:
+    """Two tables of `summarize_variants`: memory per variant, then speed per variant and method."""
+    reference, baseline = variants["reference"], variants["baseline"]
+    items = variants["variants"]
+    context = next((v["memory"].get("context") for v in items.values() if v["memory"].get("context")), None)
+    lines = ["", "## Per variant: memory", "",
+             f"`spec.memory(context={context})` (longest prompt + max new tokens) of each variant's plan; "
+             f"in brackets, the fraction of the reference variant's ({reference}).", "",
+             "| variant | quantized | weights MiB | of which embedding + LM head (tied: once) | the rest | "
+             f"KV cache MiB ({context} tokens) | plan extras MiB |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for variant, item in items.items():
+        m = item["memory"]
+        if "weight_bytes" not in m:
+            lines.append(f"| {variant} | n/a | n/a | n/a | n/a | n/a | n/a |")
+            continue
+        extras = (m.get("head_bytes") or 0) + (m.get("vocab_bytes") or 0)
+        lines.append(
+            f"| {variant} | {m.get('quantization') or '-'} | "
+            f"{m['weight_bytes'] / MIB:.1f}{_times(m['weight_vs_reference'])} | "
+            f"{m['embedding_bytes'] / MIB:.1f} | {m['rest_bytes'] / MIB:.1f} | "
+            f"{m['kv_cache_bytes'] / MIB:.1f}{_times(m['kv_cache_vs_reference'])} | {extras / MIB:.1f} |"
+        )
+    lines += ["", "## Per variant: speed", "",
+              f"Median over prompts of each run's tok/s; `vs reference`: that median / the median of "
+              f"{method_name(reference, baseline)}; `vs own`: / the median of the variant's own {baseline}. "
+              f"`identical`: outputs equal to the variant's own {baseline} (greedy).", "",
+              "| variant | method | median tok/s | vs reference | vs own | acceptance | tokens/pass | identical |",
+              "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for variant, item in items.items():
+        for method, s in item["methods"].items():
+            lines.append(
+                f"| {variant} | {method} | {_num(s['median_tokens_per_second'], '.1f')} | "
+                f"{_num(s['vs_reference'], '.2f')}x | {_num(s['vs_own'], '.2f')}x | "
+                f"{_num(s['acceptance_rate'], '.1%')} | "
+                f"{_num(s['tokens_per_pass'], '.2f')} | {_identical(s)} |"
+            )
+    return lines
 
 
 def _identical(s: dict) -> str:

@@ -3,9 +3,10 @@
     python -m benchmarks.run --quick                      # about two minutes on a quiet 2-core CPU
     python -m benchmarks.run                              # 5 Spec-Bench questions per category
     python -m benchmarks.run --model gemma3-270m --dtype float32 --per-category 2
+    python -m benchmarks.run --variants bfloat16,bfloat16+int8,bfloat16+int4 --per-category 2  # quantized targets
 
 See benchmarks/README.md for every option, the columns and how to read them.
-Writes results/<time>-<model>-<dtype>/{bench.json, table.md, chart.png}.
+Writes results/<time>-<model>-<dtype or variants>/{bench.json, table.md, chart.png}.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ from benchmarks.methods import (
     early_exit_candidates,
     num_layers,
 )
+from benchmarks.variants import Variant, memory_summary, method_name, parse_variants, split_method_name
 from benchmarks.workload import DEFAULT_DATA, Prompt, build_workload, has_chat_template
+from selfspec.quant import QUANTIZE_CHOICES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,13 +51,20 @@ QUICK = {
     "methods": "hf-greedy,hf-early-exit,hf-prompt-lookup,selfspec-plain,selfspec-plan",
 }
 FULL = {"per_category": 5, "categories": None, "max_new_tokens": 128, "methods": None}
+VARIANT_METHODS = "hf-greedy,selfspec-plain,selfspec-plan"  # the default methods of a run with --variants
 WARMUP_TOKENS = 8
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="a selfspec.load name or local path")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="activations and weights (default bfloat16)")
+    p.add_argument("--quantize", choices=QUANTIZE_CHOICES,
+                   help="quantize the linear layers weight-only after loading (selfspec.load(..., quantize=...))")
+    p.add_argument("--variants", metavar="DTYPE[+int8|int4],...",
+                   help="run every method on each of these weight variants, all interleaved in one loop; the first "
+                        f"is the reference (default methods: {VARIANT_METHODS}); replaces --dtype and --quantize")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     p.add_argument("--per-category", type=int, help="questions drawn per category (default 5; --quick: 1)")
@@ -77,6 +87,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a 4-prompt, 48-token, 5-method run for a first look")
     p.add_argument("--verbose", action="store_true", help="keep transformers' warnings")
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.variants:
+        if args.dtype or args.quantize:
+            p.error("--variants names each variant's dtype and quantization: drop --dtype and --quantize")
+        try:
+            args.variant_list = parse_variants(args.variants)
+        except ValueError as error:
+            p.error(str(error))
+        if args.methods is None:
+            args.methods = VARIANT_METHODS
+    else:
+        args.dtype = args.dtype or "bfloat16"
+        args.variant_list = [Variant(args.dtype, args.quantize)]
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -90,7 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         warnings.filterwarnings("ignore", module="transformers")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    model, tokenizer = selfspec.load(args.model, dtype=args.dtype, device=device)
+    models, tokenizer = {}, None
+    for variant in args.variant_list:  # the same checkpoint each time: one tokenizer serves all
+        models[variant.name], tokenizer = selfspec.load(args.model, dtype=variant.dtype, device=device,
+                                                        quantize=variant.quantize)
+    model = models[args.variant_list[0].name]  # the reference: plan, early-exit sweep and header come from it
     chat = has_chat_template(tokenizer)
     categories = args.categories.split(",") if args.categories else None
     workload = build_workload(
@@ -108,23 +135,46 @@ def main(argv: list[str] | None = None) -> int:
     header["early exit E"] = exit_layer if "hf-early-exit" in names else "-"
     print(f"hf-early-exit: E={header['early exit E']}" + ("" if sweep["swept"] else " (no sweep)"), flush=True)
 
-    methods, failed = build_methods(names, model, args, plan, exit_layer, workload.prompts, device)
-    costs = next((m.settings["costs"] for m in methods if "costs" in m.settings), None)
-    header["pass costs"] = (f"profile {args.costs!r} injected; " if args.costs else "") + (costs or "-")
+    methods, failed = [], {}
+    for variant in args.variant_list:
+        built, bad = build_methods(names, models[variant.name], args, plan, exit_layer, workload.prompts, device,
+                                   variant=variant_label(args, variant))
+        methods += built
+        failed.update(bad)
+    injected = f"profile {args.costs!r} injected; " if args.costs else ""
+    header["pass costs"] = injected + pass_costs(methods, bool(args.variants))
     print(f"pass costs: {header['pass costs']}", flush=True)
+    weights = variant_memory(args, models, plan, workload.prompts)
+    for name, mem in weights.items():
+        if "error" in mem:
+            print(f"{name}: memory unknown: {mem['error']}", flush=True)
+            continue
+        print(f"{name}: weights {mem['weight_bytes'] / 2**20:.1f} MiB (embedding + LM head "
+              f"{mem['embedding_bytes'] / 2**20:.1f}, the rest {mem['rest_bytes'] / 2**20:.1f}), KV cache "
+              f"{mem['kv_cache_bytes'] / 2**20:.1f} MiB for {mem['context']} tokens", flush=True)
     rows = run_interleaved(methods, workload.prompts, device)
     memory = memory_pass(methods, workload.prompts, device)
 
-    report.compare_with_baseline(rows, BASELINE)
-    report.explain_differences(model, rows, {p.prompt_id: p for p in workload.prompts}, args.dtype, BASELINE)
+    prompts = {p.prompt_id: p for p in workload.prompts}
+    for variant in args.variant_list:  # each variant's outputs against its own model.generate
+        label = variant_label(args, variant)
+        group = [r for r in rows if label is None or split_method_name(r.method)[0] == label]
+        baseline = method_name(label, BASELINE)
+        report.compare_with_baseline(group, baseline)
+        report.explain_differences(models[variant.name], group, prompts, variant.dtype, baseline)
     header["load average at end"] = load_average()
-    summary = report.summarize(rows, [m.name for m in methods], workload.categories, BASELINE, memory)
+    reference = method_name(variant_label(args, args.variant_list[0]), BASELINE)
+    summary = report.summarize(rows, [m.name for m in methods], workload.categories, reference, memory)
+    variants = (report.summarize_variants(summary["overall"], list(weights), weights, BASELINE)
+                if args.variants else None)
     descriptions = {m.name: m.description for m in methods}
-    table = report.markdown(header, summary, rows, descriptions, failed)
+    table = report.markdown(header, summary, rows, descriptions, failed, variants)
     extra = {"methods": {m.name: {"description": m.description, **m.settings} for m in methods},
              "failed_methods": failed, "early_exit_sweep": sweep,
-             "memory_pass": {name: asdict(row) for name, row in memory.items()}}
-    folder = write_outputs(args, header, summary, rows, extra, table)
+             "memory_pass": {name: asdict(row) for name, row in memory.items()}, "weight_memory": weights}
+    if variants:
+        extra["variants"] = variants
+    folder = write_outputs(args, header, summary, rows, extra, table, reference)
     print("\n" + table.split("## Per method", 1)[1].strip())
     print(f"\nresults in {folder}")
     return 0
@@ -152,6 +202,35 @@ def memory_pass(methods: list[Method], prompts: list[Prompt], device: torch.devi
 
 def _speed(row: Row) -> str:
     return "ERROR" if row.error else f"{row.tokens_per_second:.1f}"
+
+
+def variant_label(args: argparse.Namespace, variant: Variant) -> str | None:
+    """The prefix of the variant's method names: its name in a run with --variants, none otherwise."""
+    return variant.name if args.variants else None
+
+
+def pass_costs(methods: list[Method], with_variants: bool) -> str:
+    """The pass costs selfspec measured: one line, or one per variant (a quantized model has its own)."""
+    found = {}
+    for m in methods:
+        if "costs" in m.settings:
+            found.setdefault(split_method_name(m.name)[0] if with_variants else None, m.settings["costs"])
+    if not found:
+        return "-"
+    return " | ".join(costs if variant is None else f"{variant}: {costs}" for variant, costs in found.items())
+
+
+def variant_memory(args, models: dict, plan, prompts: list[Prompt]) -> dict[str, dict]:
+    """Per variant, `spec.memory()` for the longest prompt + max new tokens, split as the variant tables show it."""
+    context = max(p.length for p in prompts) + args.max_new_tokens
+    result = {}
+    for variant in args.variant_list:
+        try:
+            spec = selfspec.wrap(models[variant.name], plan=plan or selfspec.DraftPlan.plain())
+            result[variant.name] = memory_summary(spec.memory(context=context))
+        except Exception as error:  # e.g. an architecture selfspec has no adapter for: the hf-* methods still run
+            result[variant.name] = {"error": f"{type(error).__name__}: {error}"}
+    return result
 
 
 # --------------------------------------------------------------------------- setup
@@ -190,26 +269,32 @@ def extra_plans(args: argparse.Namespace) -> dict[str, Path]:
     return plans
 
 
-def build_methods(names, model, args, plan, exit_layer, prompts, device) -> tuple[list[Method], dict[str, str]]:
-    """Build and warm up every method (one short generation each); a method that fails is left out."""
+def build_methods(names, model, args, plan, exit_layer, prompts, device,
+                  variant: str | None = None) -> tuple[list[Method], dict[str, str]]:
+    """Build and warm up every method (one short generation each); a method that fails is left out.
+
+    `variant`: the methods are named `VARIANT/METHOD` (a run with --variants).
+    """
     methods, failed = [], {}
     warm_prompt = min(prompts, key=lambda p: p.length)
     options = dict(model=model, plan=plan, early_exit=exit_layer, prompt_lookup=args.prompt_lookup, costs=args.costs)
     plan_files = extra_plans(args)
-    for name in names:
-        if plan is None and name.startswith("selfspec-"):
+    for short in names:
+        name = method_name(variant, short)
+        if plan is None and short.startswith("selfspec-"):
             failed[name] = "no selfspec plan for this model (see the header's plan line)"
             continue
         try:
-            if name.startswith("plan:"):
-                extra = selfspec.DraftPlan.load(plan_files[name[len("plan:"):]])
+            if short.startswith("plan:"):
+                extra = selfspec.DraftPlan.load(plan_files[short[len("plan:"):]])
                 warm_up = build_method("selfspec-plan", max_new_tokens=WARMUP_TOKENS, **{**options, "plan": extra})
                 method = build_method("selfspec-plan", max_new_tokens=args.max_new_tokens, **{**options, "plan": extra})
                 method.name = warm_up.name = name
                 method.description = f"selfspec: {method.settings['describe']}"
             else:
-                warm_up = build_method(name, max_new_tokens=WARMUP_TOKENS, **options)
-                method = build_method(name, max_new_tokens=args.max_new_tokens, **options)
+                warm_up = build_method(short, max_new_tokens=WARMUP_TOKENS, **options)
+                method = build_method(short, max_new_tokens=args.max_new_tokens, **options)
+                method.name = warm_up.name = name
         except Exception as error:
             failed[name] = f"{type(error).__name__}: {error}"
             continue
@@ -220,8 +305,9 @@ def build_methods(names, model, args, plan, exit_layer, prompts, device) -> tupl
             failed[name] = warm.error
         else:
             methods.append(method)
-    if BASELINE in failed:
-        raise SystemExit(f"the baseline {BASELINE} failed: {failed[BASELINE]}")
+    baseline = method_name(variant, BASELINE)
+    if baseline in failed:
+        raise SystemExit(f"the baseline {baseline} failed: {failed[baseline]}")
     return methods, failed
 
 
@@ -257,7 +343,7 @@ def choose_early_exit(model, args, plan, names, prompts, device) -> tuple[int, d
 
 
 def make_header(args, model, workload, plan, plan_note, chat) -> dict:
-    return {
+    header = {
         "command": shlex.join([sys.executable, *sys.argv]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.platform()}; {cpu_model()}; {os.cpu_count()} CPUs",
@@ -269,7 +355,8 @@ def make_header(args, model, workload, plan, plan_note, chat) -> dict:
         "transformers": transformers.__version__,
         "selfspec": selfspec.__version__,
         "model": f"{args.model} ({type(model).__name__}, {num_layers(model)} layers)",
-        "dtype": args.dtype,
+        "dtype": ", ".join(dict.fromkeys(v.dtype for v in args.variant_list)),
+        "weights": weights_line(args),
         "threads": torch.get_num_threads(),
         "prompts": f"{len(workload.prompts)} in {len(workload.categories)} categories; {workload.source}"
         + ("; FALLBACK: Spec-Bench file absent" if workload.fallback else ""),
@@ -279,6 +366,20 @@ def make_header(args, model, workload, plan, plan_note, chat) -> dict:
         "early exit E": "(chosen below)",
         "quick": args.quick,
     }
+    if args.argv != sys.argv[1:]:  # run through another script (benchmarks.quantized): what this harness was given
+        header = {"command": header["command"], "arguments": shlex.join(args.argv),
+                  **{k: v for k, v in header.items() if k != "command"}}
+    return header
+
+
+def weights_line(args) -> str:
+    """The header's weights: as loaded, quantized, or the list of variants with the reference first."""
+    if args.variants:
+        names = ", ".join(v.name for v in args.variant_list)
+        return (f"variants {names} (DTYPE: activations and float weights; +int8/+int4: torchao weight-only; "
+                f"reference {args.variant_list[0].name}); each variant's methods run as VARIANT/METHOD")
+    variant = args.variant_list[0]
+    return f"{variant.quantize} weight-only (torchao), activations {variant.dtype}" if variant.quantize else args.dtype
 
 
 def print_header(header: dict) -> None:
@@ -307,14 +408,15 @@ def load_average() -> str:
         return "n/a"
 
 
-def write_outputs(args, header, summary, rows, extra, table) -> Path:
+def write_outputs(args, header, summary, rows, extra, table, baseline: str = BASELINE) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    folder = args.out / f"{stamp}-{Path(str(args.model)).name}-{args.dtype}"
+    label = "_".join(v.name for v in args.variant_list)
+    folder = args.out / f"{stamp}-{Path(str(args.model)).name}-{label}"
     folder.mkdir(parents=True, exist_ok=True)
     report.write_json(folder / "bench.json", header, summary, rows, extra)
     (folder / "table.md").write_text(table, encoding="utf-8")
-    title = f"{args.model} {args.dtype}, {args.threads} threads, {args.max_new_tokens} new tokens"
-    why_not = report.write_chart(folder / "chart.png", summary, BASELINE, title)
+    title = f"{args.model} {label}, {args.threads} threads, {args.max_new_tokens} new tokens"
+    why_not = report.write_chart(folder / "chart.png", summary, baseline, title)
     if why_not:
         print(f"no chart: {why_not}")
     return folder

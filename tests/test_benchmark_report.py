@@ -69,3 +69,136 @@ def test_table_counts_near_ties_beside_identical():
     summary = report.summarize(rows, ["hf-greedy", "m"], ["c"], "hf-greedy")
     table = report.markdown({}, summary, rows, {}, {})
     assert "| 0/1 (+1 near-tie) |" in table and "| 1/1 |" in table
+
+
+# --------------------------------------------------------------------------- weight variants (benchmarks.run --variants)
+
+import pytest  # noqa: E402
+
+from benchmarks import quantized, run  # noqa: E402
+from benchmarks.variants import (  # noqa: E402
+    Variant,
+    memory_summary,
+    method_name,
+    parse_variants,
+    split_method_name,
+)
+from selfspec.memory import MemoryReport  # noqa: E402
+
+MIB = 2**20
+
+
+def test_variants_parse_in_order_with_their_quantization():
+    got = parse_variants("bfloat16, bfloat16+int8,bfloat16+int4,float32,")
+    assert [v.name for v in got] == ["bfloat16", "bfloat16+int8", "bfloat16+int4", "float32"]
+    assert got[1] == Variant("bfloat16", "int8") and got[0].quantize is None
+
+
+@pytest.mark.parametrize("text, message", [
+    ("bf16", "dtype 'bf16' unknown"),
+    ("bfloat16+int3", "quantization 'int3' unknown"),
+    ("bfloat16+", "quantization '' unknown"),
+    ("bfloat16,bfloat16", "listed twice"),
+    (" , ", "no variant"),
+])
+def test_a_bad_variant_is_refused_in_one_line(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_variants(text)
+
+
+def test_method_names_carry_their_variant():
+    assert method_name("bfloat16+int4", "selfspec-plan") == "bfloat16+int4/selfspec-plan"
+    assert method_name(None, "plan:x") == "plan:x"
+    assert split_method_name("bfloat16+int4/plan:x") == ("bfloat16+int4", "plan:x")
+    assert split_method_name("hf-greedy") == (None, "hf-greedy")
+
+
+def test_run_options_for_variants():
+    args = run.parse_args(["--variants", "bfloat16,bfloat16+int4"])
+    assert [v.name for v in args.variant_list] == ["bfloat16", "bfloat16+int4"]
+    assert args.methods == run.VARIANT_METHODS and args.per_category == 5
+    single = run.parse_args(["--quantize", "int8"])
+    assert single.variant_list == [Variant("bfloat16", "int8")] and single.methods is None
+    assert run.parse_args([]).variant_list == [Variant("bfloat16", None)]
+    for bad in (["--variants", "bfloat16", "--dtype", "float32"], ["--variants", "bfloat16+int9"]):
+        with pytest.raises(SystemExit):
+            run.parse_args(bad)
+
+
+def test_the_quantized_shortcut_adds_only_what_is_not_given():
+    argv = quantized.with_defaults(["--threads", "1", "--max-new-tokens=8"])
+    args = run.parse_args(argv)
+    assert [v.name for v in args.variant_list] == ["bfloat16", "bfloat16+int8", "bfloat16+int4"]
+    assert (args.per_category, args.max_new_tokens, args.threads) == (2, 8, 1)
+    assert args.methods == "hf-greedy,selfspec-plain,selfspec-plan"
+    assert "--variants" not in quantized.with_defaults(["--dtype", "float32"])
+
+
+def _memory(weights: float, embedding: float, kv: float, quantization=None) -> dict:
+    return memory_summary(MemoryReport(int(weights * MIB), int(embedding * MIB), int(kv * MIB), 600, 0, 0,
+                                       quantization))
+
+
+def _variant_rows() -> list[Row]:
+    """Two prompts, two variants, two methods each; int4's selfspec-plan differs from its own generate once."""
+    rows = []
+    for variant, base_s, plan_s in (("bfloat16", 1.0, 0.5), ("bfloat16+int4", 0.5, 0.4)):
+        for pid in ("a", "b"):
+            rows.append(Row(f"{variant}/hf-greedy", pid, "c", 3, new_tokens=10, seconds=base_s, verify_passes=10,
+                            output=[1, 2]))
+            rows.append(Row(f"{variant}/selfspec-plan", pid, "c", 3, new_tokens=10, seconds=plan_s, verify_passes=5,
+                            drafted=8, accepted=5, output=[1, 3] if (variant, pid) == ("bfloat16+int4", "b") else [1, 2]))
+    for variant in ("bfloat16", "bfloat16+int4"):
+        group = [r for r in rows if r.method.startswith(variant + "/")]
+        report.compare_with_baseline(group, f"{variant}/hf-greedy")
+    return rows
+
+
+def test_variant_summary_against_the_reference_and_its_own_generate():
+    rows = _variant_rows()
+    names = [f"{v}/{m}" for v in ("bfloat16", "bfloat16+int4") for m in ("hf-greedy", "selfspec-plan")]
+    summary = report.summarize(rows, names, ["c"], "bfloat16/hf-greedy")
+    memory = {"bfloat16": _memory(256.0, 54.0, 11.0), "bfloat16+int4": _memory(110.0, 54.0, 11.0, "int4")}
+    got = report.summarize_variants(summary["overall"], ["bfloat16", "bfloat16+int4"], memory, "hf-greedy")
+    int4 = got["variants"]["bfloat16+int4"]
+    assert got["reference"] == "bfloat16"
+    assert int4["memory"]["rest_bytes"] == 56 * MIB
+    assert int4["memory"]["weight_vs_reference"] == pytest.approx(110 / 256)
+    assert int4["memory"]["kv_cache_vs_reference"] == pytest.approx(1.0)  # KV cache unchanged by weights
+    assert int4["methods"]["hf-greedy"]["vs_reference"] == pytest.approx(2.0)  # 20 vs 10 tok/s
+    assert int4["methods"]["selfspec-plan"]["vs_own"] == pytest.approx(0.5 / 0.4)
+    assert int4["methods"]["selfspec-plan"]["vs_reference"] == pytest.approx(25 / 10)
+    assert int4["methods"]["selfspec-plan"]["acceptance_rate"] == pytest.approx(5 / 8)
+    assert int4["methods"]["selfspec-plan"]["tokens_per_pass"] == pytest.approx(2.0)
+    assert (int4["methods"]["selfspec-plan"]["identical"], int4["methods"]["selfspec-plan"]["compared"]) == (1, 2)
+    assert got["variants"]["bfloat16"]["methods"]["selfspec-plan"]["identical"] == 2
+
+    table = report.markdown({}, summary, rows, {}, {}, got)
+    assert "## Per variant: memory" in table and "## Per variant: speed" in table
+    assert "| bfloat16+int4 | int4 | 110.0 (0.43x) | 54.0 | 56.0 | 11.0 (1.00x) | 0.0 |" in table
+    assert "| bfloat16+int4 | selfspec-plan | 25.0 | 2.50x | 1.25x | 62.5% | 2.00 | 1/2 |" in table
+    assert table.index("## Per method") < table.index("## Per variant") < table.index("## Speedup per category")
+
+
+def test_a_variant_without_memory_reads_na():
+    rows = _variant_rows()
+    names = sorted({r.method for r in rows})
+    summary = report.summarize(rows, names, ["c"], "bfloat16/hf-greedy")
+    got = report.summarize_variants(summary["overall"], ["bfloat16", "bfloat16+int4"],
+                                    {"bfloat16": {"error": "no adapter"}, "bfloat16+int4": _memory(110, 54, 11)},
+                                    "hf-greedy")
+    assert got["variants"]["bfloat16+int4"]["memory"]["weight_vs_reference"] is None
+    assert "| bfloat16 | n/a | n/a | n/a | n/a | n/a | n/a |" in report.variant_lines(got)
+
+
+def test_every_method_shows_its_memory_pass_peak():
+    rows = [Row(m, "a", "c", 3, output=[1], seconds=1.0, new_tokens=1) for m in ("hf-greedy", "x", "y")]
+    memory = {m: Row(m, "a", "c", 3, peak_bytes=(300 + i) * MIB, peak_increase_bytes=(10 + i) * MIB)
+              for i, m in enumerate(("hf-greedy", "x", "y"))}
+    report.compare_with_baseline(rows, "hf-greedy")
+    summary = report.summarize(rows, ["hf-greedy", "x", "y"], ["c"], "hf-greedy", memory)
+    table = report.markdown({}, summary, rows, {}, {})
+    per_method = table.split("## Per method", 1)[1].split("## Speedup", 1)[0]  # the part the harness prints
+    assert "peak MiB | working MiB" in per_method
+    for i, m in enumerate(("hf-greedy", "x", "y")):
+        assert f"| {300 + i} | {10 + i} |" in per_method.split(f"| {m} |", 1)[1].splitlines()[0]
