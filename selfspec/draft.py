@@ -42,6 +42,7 @@ class Draft:
 
 
 TREE_BRANCHES = 4  # n-gram continuations a tree draws from
+LAYER_BRANCHES = 3  # a layer draft's tree: at each depth, the drafted token and up to 2 runners-up
 
 
 class Drafter:
@@ -87,6 +88,7 @@ class Drafter:
         confidences: list[float] = []
         probs: list[torch.Tensor] = []
         boundary: list[torch.Tensor] = []
+        runners_up: list[list[tuple[float, float, int]]] = []  # per depth: (p of the drafted token, p, token)
         token = tokens[-1]
         confidence = None
         while self.has_layers and policy.draft_next(len(drafted), confidence):
@@ -99,7 +101,13 @@ class Drafter:
                 confidences.append(confidence)
             if q is not None:
                 probs.append(q)
-        return Draft(drafted, torch.stack(probs) if probs else None, boundary, confidences=confidences)
+            if self.tree_nodes:
+                runners_up.append(_runners_up(scores, token, LAYER_BRANCHES - 1))
+        draft = Draft(drafted, torch.stack(probs) if probs else None, boundary, confidences=confidences)
+        if runners_up and drafted:
+            nodes = policy.tree_nodes(len(drafted), self.tree_nodes, exact_prefix=self.exact_prefix)
+            draft.tree = _branch(drafted, runners_up, nodes)
+        return draft
 
     def ngram_draft(self, tokens: list[int], policy, scorer: Scorer, vocab_size: int, device) -> Draft | None:
         """An n-gram proposal cut to the length `policy` finds worth verifying, or None (no match, or not worth it).
@@ -146,3 +154,28 @@ class Drafter:
             boundary.append(hidden)
         hidden = runner.run(hidden, self.other_layers, position)
         return runner.logits(hidden, self.vocab)
+
+
+def _runners_up(scores: torch.Tensor, chosen: int, count: int) -> list[tuple[float, float, int]]:
+    """The draft's `count` likeliest tokens other than `chosen`, from its scores `[1, vocab]`:
+    (p of `chosen`, p, token) each."""
+    p = torch.softmax(scores[0].float(), dim=-1)  # [vocab]
+    top_p, top_tokens = p.topk(count + 1)
+    p_chosen = float(p[chosen])
+    return [(p_chosen, float(pt), int(t)) for pt, t in zip(top_p.tolist(), top_tokens.tolist()) if t != chosen][:count]
+
+
+def _branch(chain: list[int], runners_up: list[list[tuple[float, float, int]]], nodes: int) -> TokenTree | None:
+    """The chain with its runners-up as leaves, the likeliest paths (by the draft's own probabilities, as
+    EAGLE-2 ranks them) first, `nodes` in all; None when no branch fits."""
+    if nodes <= len(chain):
+        return None
+    branches, reach = [], 1.0  # reach: the draft's probability of the chain up to this depth
+    for depth, options in enumerate(runners_up):
+        for p_chosen, p, token in options:
+            branches.append((reach * p, depth, token))
+        reach *= options[0][0] if options else 1.0
+    branches.sort(key=lambda b: -b[0])
+    paths = [chain] + [chain[:depth] + [token] for _, depth, token in branches[: nodes - len(chain)]]
+    tree = TokenTree.from_paths(paths, max_nodes=nodes)
+    return None if tree.is_chain else tree

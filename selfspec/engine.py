@@ -405,7 +405,7 @@ class SelfSpecModel:
         verify_seconds = clock.lap()
         out.emit(tree.path_tokens(path) + [next_token])
         stats.record_round(drafted=len(tree), accepted=len(path), draft_seconds=draft_seconds,
-                           verify_seconds=verify_seconds, source="ngram tree")
+                           verify_seconds=verify_seconds, source=f"{draft.source} tree")
         # The policy learns from the tree's first path (the chain it would have verified): how far it was kept.
         policy.observe(draft, tree.first_path_kept(path), draft_seconds=draft_seconds, verify_seconds=verify_seconds,
                        width=len(tree) + 1)

@@ -29,6 +29,12 @@ occurred earlier in the sequence, the draft is what followed them, at no model
 cost; otherwise the plan's layers draft. With `ngram` set, the layers may be
 left out (then a round without a match is a plain step).
 
+`tree=N` lets a round verify a token tree of up to N nodes instead of a chain
+(`tree.py`): several n-gram continuations, or a layer draft with its
+runner-up tokens as branches where the draft was unsure (the eager step).
+The cost policy adds branches only while the wider pass costs about what the
+chain's does.
+
 Two optional artifacts make the layer draft better or cheaper (each a path
 to a manifest, resolved against the plan file's folder when loaded from one):
 
@@ -77,7 +83,7 @@ class DraftPlan:
     draft_vocab_size: int = 0
     name: str = ""
     policy: str = "cost"
-    tree: int = 0  # most nodes a drafted token tree may hold (0: chains only); see `tree.py`
+    tree: int = 0  # most nodes a drafted token tree may hold (0: chains only); see `tree.py` and `draft.py`
     auto: bool = False  # the draft's layers are chosen per context while generating (`auto_layers.py`)
 
     def __post_init__(self) -> None:
@@ -100,9 +106,6 @@ class DraftPlan:
             _check_unit_interval(field, getattr(self, field))
         _check_int("ngram", self.ngram, 0, MAX_NGRAM)
         _check_int("tree", self.tree, 0, MAX_DRAFT_LENGTH)
-        if self.tree and not self.ngram:
-            raise ValueError(f"tree={self.tree} needs ngram=N: the tree's branches are n-gram continuations "
-                             "(layer drafts are chains)")
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} is not a draft-length policy (valid: {', '.join(POLICIES)})")
         if not isinstance(self.auto, bool):
@@ -230,9 +233,13 @@ class DraftPlan:
         if self.draft_vocab is not None:
             size = self.draft_vocab_size or "all counted"
             where += f", draft vocabulary {size} from {os.path.basename(self.draft_vocab)}"
+        if self.tree and (layers or self.auto):
+            where += " (branching where unsure)"
         if self.ngram:
-            tree = f", as a tree of up to {self.tree} nodes" if self.tree else ""
+            tree = ", as a tree" if self.tree else ""
             where = f"n-gram lookup (n<={self.ngram}{tree}), then {where}"
+        if self.tree:
+            where += f"; trees of up to {self.tree} nodes"
         policy = f"k<={self.draft_length}" + (", k by measured cost" if self.policy == "cost" else "")
         if self.adaptive and self.policy == "fixed":
             policy += f", adaptive (threshold {self.threshold:g} -> acceptance {self.target_acceptance:g})"

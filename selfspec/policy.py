@@ -240,9 +240,13 @@ class CostPolicy:
             return False
         return self.draft_length_from(drafted) > drafted
 
-    def tree_nodes(self, chain: int, max_nodes: int) -> int:
-        """Nodes a tree around a chain of `chain` tokens may hold: as many as verify within 5% of the chain's cost."""
-        base = self.costs.verify(chain + 1)
+    def tree_nodes(self, chain: int, max_nodes: int, *, exact_prefix: int = 0) -> int:
+        """Nodes a tree around a chain of `chain` tokens may hold: as many as verify within 5% of the chain's cost.
+
+        `exact_prefix`: a layer chain's verify pass would resume after it; a
+        tree's runs every layer.
+        """
+        base = self.costs.verify(chain + 1, exact_prefix)
         nodes = chain
         while nodes < max_nodes and self.costs.verify(nodes + 2) <= base * (1 + TREE_SLACK):
             nodes += 1
@@ -268,7 +272,8 @@ class CostPolicy:
         self.acceptance.decay()
         self.acceptance.observe(draft, accepted)
         layered = draft.source == "layers" and draft.tokens
-        self.costs.observe_verify(width, self.exact_prefix if layered else 0, verify_seconds)
+        resumed = layered and draft.tree is None  # a tree's verify pass runs every layer
+        self.costs.observe_verify(width, self.exact_prefix if resumed else 0, verify_seconds)
         if layered:
             self.costs.observe_draft(len(draft.tokens), draft_seconds / self.draft_scale)
 
@@ -326,7 +331,7 @@ class AdaptivePolicy:
     def ngram_length(self, match_length: int, available: int) -> int:
         return available  # an n-gram proposal is free: always take it whole
 
-    def tree_nodes(self, chain: int, max_nodes: int) -> int:
+    def tree_nodes(self, chain: int, max_nodes: int, *, exact_prefix: int = 0) -> int:
         return max(chain, max_nodes)  # the plan's node budget, whatever it costs
 
     def planned_length(self) -> int:

@@ -25,7 +25,9 @@ class GenerationStats:
     bonus: int = 0
     ngram_drafted: int = 0  # of `drafted`, copied from an earlier n-gram match
     ngram_accepted: int = 0  # of `accepted`, those copied tokens
-    tree_rounds: int = 0  # rounds that verified a token tree (n-gram continuations; `drafted` counts its nodes)
+    tree_rounds: int = 0  # rounds that verified a token tree (n-gram continuations or a branching layer draft;
+    # `drafted` counts its nodes)
+    layer_tree_rounds: int = 0  # of `tree_rounds`, those of layer drafts
     tree_nodes: int = 0  # nodes those trees held
     tree_accepted: int = 0  # tokens kept from them (the accepted path)
     rounds_without_draft: int = 0  # plain steps: drafting off, paused, or no budget left
@@ -62,10 +64,11 @@ class GenerationStats:
         self, *, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float, source: str = "layers"
     ) -> None:
         self.rounds += 1
-        if source == "ngram tree":
+        if source.endswith(" tree"):
             self.tree_rounds += 1
             self.tree_nodes += drafted
             self.tree_accepted += accepted
+            self.layer_tree_rounds += source == "layers tree"
         if source in ("ngram", "ngram tree"):
             self.ngram_drafted += drafted
             self.ngram_accepted += accepted

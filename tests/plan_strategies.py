@@ -11,17 +11,17 @@ import selfspec
 @st.composite
 def plans(draw, num_layers: int, max_draft_length: int = 10):
     """Random plans: early exits, layer subsets or layers chosen per context (auto), draft lengths 1..max, fixed,
-    adaptive or cost-chosen, with or without n-grams, whose proposals may be token trees."""
+    adaptive or cost-chosen, with or without n-grams, any of them drafting token trees."""
     draft_length = draw(st.integers(1, max_draft_length))
     if draw(st.integers(0, 5)) == 0:  # an auto plan: n-grams or not, trees or not, k by cost
         ngram = draw(st.sampled_from([0, 3]))
         return selfspec.DraftPlan(auto=True, draft_length=draft_length, ngram=ngram,
-                                  tree=draw(st.sampled_from([0, 8])) if ngram else 0)
+                                  tree=draw(st.sampled_from([0, 8])))
     policy = draw(st.sampled_from(["fixed", "fixed", "cost"]))
     adaptive = draw(st.booleans())
     threshold = draw(st.floats(0.05, 0.95))
     ngram = draw(st.sampled_from([0, 0, 1, 3]))
-    tree = draw(st.sampled_from([0, 6, 12])) if ngram else 0
+    tree = draw(st.sampled_from([0, 0, 6, 12]))  # n-gram continuations, or a layer draft's runners-up, as trees
     if ngram and draw(st.booleans()):
         return selfspec.DraftPlan(draft_length=draft_length, adaptive=adaptive, threshold=threshold, ngram=ngram,
                                   policy=policy, tree=tree)

@@ -18,8 +18,9 @@ What is tested
    tokens 2-4 come from drafted/verified rounds (accepted, recovered, bonus).
    Plans: early exit, layer subsets, an exit head, and a head with a draft
    vocabulary of 6 of the 16 tokens (q is zero outside it, p is not), and
-   n-gram token trees (a prompt where every token has two successors), and
-   an auto plan whose layers are re-chosen every round.
+   n-gram token trees (a prompt where every token has two successors), a
+   head's draft as a tree (its runners-up as branches), and an auto plan
+   whose layers are re-chosen every round.
    An engine that always accepts the draft must fail the same check.
 3. Seeded runs reproduce exactly (explicit generator; global seed).
 4. Plain sampling (draft_length=0) and drafted sampling both run.
@@ -38,13 +39,13 @@ c = ln(2 V / DELTA), so each check falsely fails with probability at most
 DELTA = 1e-7, whatever the number of cells. A cell with p_i = 0 that is ever
 observed gives KL = inf: an impossible token fails the check outright.
 
-This file runs CHECKS_IN_FILE = 112 such checks on samples whose law is the
+This file runs CHECKS_IN_FILE = 120 such checks on samples whose law is the
 reference law (test 1: 6 pairs for each of the two implementations of the
 rule, the host one and the device one of the static step, + 4 Markov-chain
 checks + 1 token-tree check + 7 checks that the wrong-rule harnesses produce
-the wrong rules' own exact laws; test 2: 11 cases x 8, three of them on the
+the wrong rules' own exact laws; test 2: 12 cases x 8, three of them on the
 static step), so over random seeds the whole file would falsely fail with
-probability at most 112 * 1e-7 = 1.12e-5. All seeds are fixed, so the outcome is
+probability at most 120 * 1e-7 = 1.2e-5. All seeds are fixed, so the outcome is
 deterministic anyway.
 
 Power (a wrong sampler must fail): in test 1 a wrong rule is only run on
@@ -82,7 +83,7 @@ from selfspec.testing import make_head, make_vocab
 from selfspec.tree import TokenTree, accept_tree_sampling, accept_tree_sampling_on_device
 
 DELTA = 1e-7  # false-failure probability bound of one `assert_distribution` check
-CHECKS_IN_FILE = 112  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
+CHECKS_IN_FILE = 120  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -473,6 +474,13 @@ CASES[AUTO_CASE] = (selfspec.DraftPlan(auto=True, draft_length=3), dict(temperat
                     LogitsProcessorList([]))
 COSTS[AUTO_CASE] = "flat"
 PATCHES = {AUTO_CASE: {"CHOOSE_EVERY": 1, "PROBE_EVERY": 1}}
+# A layer draft as a tree: the exit head's sampled chain, its runners-up as branches (recursive rejection).
+HEAD_TREE_CASE = "T=1, head drafts a tree (its runners-up as branches, <= 6 nodes), k=3"
+CASES[HEAD_TREE_CASE] = (
+    lambda a: selfspec.DraftPlan(exit_layer=2, head=a["head"], tree=6, draft_length=3, policy="fixed"),
+    dict(temperature=1.0),
+    LogitsProcessorList([]),
+)
 PROMPTS = {case: TREE_PROMPT for case in CASES if "trees" in case}
 STEPS = {case: "static" for case in CASES if case.startswith("static step")}
 
@@ -480,7 +488,7 @@ STEPS = {case: "static" for case in CASES if case.startswith("static step")}
 def run_many(spec, n: int, seed: int, prompt: torch.Tensor = PROMPT, **sampling) -> tuple[torch.Tensor, dict]:
     g = torch.Generator().manual_seed(seed)
     seen = collections.Counter()
-    totals = dict(drafted=0, accepted=0, recovered=0, bonus=0, tree_rounds=0)
+    totals = dict(drafted=0, accepted=0, recovered=0, bonus=0, tree_rounds=0, layer_tree_rounds=0)
     totals["layer set changes"] = 0
     for _ in range(n):
         out = spec.generate(prompt, max_new_tokens=NEW, do_sample=True, generator=g, **sampling)
@@ -524,6 +532,8 @@ def test_sampling_matches_exact_target_law(model, artifacts, case, monkeypatch):
     assert totals["accepted"] < totals["drafted"], totals
     if case in PROMPTS:  # trees were verified, not just chains (a tree's round has no bonus: not all nodes are kept)
         assert totals["tree_rounds"] > N_E2E / 2 and totals["recovered"] > 0, totals
+    elif case == HEAD_TREE_CASE:
+        assert totals["layer_tree_rounds"] > N_E2E / 2 and totals["recovered"] > 0, totals
     else:
         assert totals["recovered"] > 0 and totals["bonus"] > 0, totals
     if case in PATCHES:  # the layer set really changed within generations

@@ -21,6 +21,7 @@ import torch
 import selfspec
 import selfspec.passes
 from plan_strategies import assert_same
+from selfspec.costs import PassCosts
 from selfspec.passes import TargetPasses
 from selfspec.runner import LayerRunner
 from selfspec.testing import TINY_CONFIGS, has_window, random_prompt, tiny_model
@@ -138,14 +139,41 @@ def test_tree_stats_and_description():
     spec.generate(repetitive_prompt(3), max_new_tokens=40)
     stats = spec.last_stats
     assert stats.tree_rounds > 0 and stats.tree_nodes >= 2 * stats.tree_rounds
-    assert "token trees:" in str(stats) and "as a tree of up to 10 nodes" in spec.describe_plan()
+    assert "token trees:" in str(stats) and "trees of up to 10 nodes" in spec.describe_plan()
 
 
-def test_trees_need_ngrams():
-    with pytest.raises(ValueError, match="tree=6 needs ngram=N"):
-        selfspec.DraftPlan(exit_layer=2, tree=6)
+LAYER_TREE_PLANS = [
+    selfspec.DraftPlan(layers=[0, 2, 5], tree=10, draft_length=4, policy="fixed"),
+    selfspec.DraftPlan(exit_layer=3, tree=8, draft_length=3, policy="fixed"),
+    selfspec.DraftPlan(auto=True, tree=10, draft_length=4),
+]
+
+
+def test_layer_drafts_branch_where_unsure_and_equal_generate():
+    """A layer draft's runners-up become branches (likeliest paths first); the kept path is the target's."""
+    layer_trees = 0
+    for arch in ARCHS:
+        model = model_for(arch)
+        prompt = random_prompt(20, seed=3)
+        ref = model.generate(prompt, do_sample=False, max_new_tokens=40)
+        for plan in LAYER_TREE_PLANS:
+            spec = selfspec.wrap(model, plan=plan, costs="flat")
+            assert_same(spec.generate(prompt, max_new_tokens=40), ref, f"{arch}: {plan}")
+            layer_trees += spec.last_stats.layer_tree_rounds
+    assert layer_trees > 100 and "(branching where unsure)" in LAYER_TREE_PLANS[0].describe(6)
     with pytest.raises(ValueError, match=r"tree=-1 out of range \(valid: 0..64\)"):
         selfspec.DraftPlan(ngram=2, tree=-1)
+
+
+def test_branches_rank_by_the_drafts_path_probability():
+    from selfspec.draft import _branch
+
+    chain = [5, 6, 7]
+    runners_up = [[(0.5, 0.4, 8)], [(0.9, 0.05, 9)], [(0.6, 0.3, 4)]]  # (p of chain token, p, token) per depth
+    # path probabilities: depth 0: 0.4; depth 1: 0.5 * 0.05 = 0.025; depth 2: 0.5 * 0.9 * 0.3 = 0.135
+    tree = _branch(chain, runners_up, nodes=5)
+    assert tree.tokens == (5, 6, 7, 8, 4) and tree.parents == (-1, 0, 1, -1, 1)
+    assert _branch(chain, runners_up, nodes=3) is None  # no room beyond the chain
 
 
 def test_costly_wide_passes_keep_trees_off():
@@ -154,6 +182,13 @@ def test_costly_wide_passes_keep_trees_off():
     spec = selfspec.wrap(model, plan=selfspec.DraftPlan(ngram=2, tree=10, draft_length=5), costs="linear")
     spec.generate(repetitive_prompt(3), max_new_tokens=40)
     assert spec.last_stats.tree_rounds == 0
+    # Each row costs a fifth of a step more, a drafted token a hundredth: chains pay (this model's drafts are
+    # mostly accepted), a branch never verifies within 5% of its chain's cost.
+    steep = PassCosts(verify=tuple(1.0 + 0.2 * (q - 1) for q in range(1, 12)), draft_step=0.01, num_layers=6)
+    spec = selfspec.wrap(model_for("gemma3_text"), plan=selfspec.DraftPlan(layers=[0, 2, 5], tree=10, draft_length=4),
+                         costs=steep)
+    spec.generate(random_prompt(20, seed=3), max_new_tokens=40)
+    assert spec.last_stats.tree_rounds == 0 and spec.last_stats.drafted > 0
 
 
 def test_sampling_verifies_trees_and_a_seed_reproduces():
