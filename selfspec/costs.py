@@ -191,7 +191,7 @@ def measure_pass_costs(
             if i:
                 best[name] = min(best[name], time.perf_counter() - start)
             runner.cache.crop(context)
-    verify = _interpolate({q: best[q] for q in widths}, max_width, step_up=bucketed)
+    verify = interpolate({q: best[q] for q in widths}, max_width, step_up=bucketed)
     step = best.get("draft", 0.0)
     return PassCosts(
         verify,
@@ -202,7 +202,7 @@ def measure_pass_costs(
     )
 
 
-def _interpolate(measured: dict[int, float], max_width: int, *, step_up: bool = False) -> tuple[float, ...]:
+def interpolate(measured: dict[int, float], max_width: int, *, step_up: bool = False) -> tuple[float, ...]:
     """Seconds for every width 1..max_width, never decreasing: linear between measured widths, or (`step_up`)
     the cost of the next measured width."""
     points = sorted(measured.items())

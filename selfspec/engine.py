@@ -18,9 +18,9 @@ static step's rounds (one read back per round) are `static_loop.py`.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
-import time
-from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +28,7 @@ from .acceptance import accept_greedy, accept_sampling
 from .adapter import Adapter
 from .artifacts import model_identity
 from .auto_layers import AutoLayers, layer_weights
+from .batch import BatchSession, measure_batch_costs
 from .costs import (
     PassCosts,
     RuntimeCosts,
@@ -42,6 +43,7 @@ from .draft import Draft, Drafter
 from .head import ExitHead, load_head
 from .hf_generation import GenerationSettings, resolve_settings
 from .memory import MemoryReport, memory_report
+from .output import Clock, Output
 from .parts import ModelParts, text_config
 from .passes import TargetPasses
 from .plan import DraftPlan
@@ -52,7 +54,7 @@ from .runner import LayerRunner
 from .scoring import Scorer
 from .static import GraphedRunner, StaticRunner
 from .static_loop import run_static_rounds
-from .stats import GenerationStats
+from .stats import BatchStats, GenerationStats
 from .tree import accept_tree_greedy, accept_tree_sampling
 from .vocab import DraftVocab, load_vocab
 
@@ -125,9 +127,10 @@ class SelfSpecModel:
         self.max_width = max(plan.draft_length, plan.tree) + 1  # the widest verify pass (a chain, or a tree)
         self.injected_costs = self._injected(costs)
         self.measured_costs: dict[tuple, RuntimeCosts] = {}  # by (threads, device): a table, refined by the rounds
+        self.batch_costs: dict[tuple, RuntimeCosts] = {}  # by (threads, device, rows): batched passes (`batch.py`)
         self.step = self._resolve_step(step)
         self.graphed: GraphedRunner | None = None  # kept across generations: its graphs hold its cache's addresses
-        self.last_stats: GenerationStats | None = None
+        self.last_stats: GenerationStats | BatchStats | None = None
 
     def _resolve_step(self, step: str) -> str:
         if step not in STEPS:
@@ -226,8 +229,8 @@ class SelfSpecModel:
         return memory_report(self.model, self.parts, context=context, head=self.head, vocab_tensors=vocab,
                              quantization=self.quantization)
 
-    def _costs_key(self) -> str:
-        """The disk cache's key: the model, the plan's draft, dtype, device, threads and processor."""
+    def _costs_key(self, **extra) -> str:
+        """The disk cache's key: the model, the plan's draft, dtype, device, threads and processor (and `extra`)."""
         device = self.parts.device
         # A quantized model's passes cost other times than its float twin's (same dtype, same identity).
         weights = {} if self.quantization is None else {"quantization": self.quantization}
@@ -242,6 +245,7 @@ class SelfSpecModel:
             threads=torch.get_num_threads(),
             machine=machine_description(device),
             max_width=self.max_width,
+            **extra,
         )
 
     def _policy(self, settings: GenerationSettings) -> CostPolicy | AdaptivePolicy:
@@ -269,7 +273,14 @@ class SelfSpecModel:
         tokenizer=None,
         **kwargs,
     ):
-        """Generate after `input_ids` `[1, prompt]`; returns `[1, prompt + new]` int64, stats in `last_stats`.
+        """Generate after `input_ids` `[batch, prompt]`; returns `[batch, prompt + new]` int64, stats in `last_stats`.
+
+        A batch (or a padded prompt) is left-padded, with its `attention_mask`,
+        as `model.generate` takes it: the rows decode together (`batch.py`),
+        each with its own drafts and acceptance, and rows that end early are
+        padded with `pad_token_id` (EOS when the model has none), as
+        `model.generate` pads them; `last_stats` is then a `BatchStats` (per
+        row and in total).
 
         `kwargs` are `GenerationConfig` fields, merged with the model's
         `generation_config` exactly as `model.generate` merges them (an explicit
@@ -282,7 +293,12 @@ class SelfSpecModel:
         `output_scores`, ...) is refused when set to anything but its default.
         """
         self.last_stats = None  # a failed call leaves no stale stats behind
-        prompt = self._check_prompt(input_ids, attention_mask)
+        prompts = self._check_prompts(input_ids, attention_mask)
+        if len(prompts) > 1 or len(prompts[0]) < input_ids.shape[1]:
+            return self._generate_rows(input_ids, prompts, generation_config=generation_config,
+                                       logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                                       streamer=streamer, generator=generator, tokenizer=tokenizer, kwargs=kwargs)
+        prompt = prompts[0]
         self._check_context(len(prompt), None)
         device = self.parts.lm_head.weight.device
         settings = resolve_settings(
@@ -304,6 +320,76 @@ class SelfSpecModel:
             streamer.end()
         sequences = torch.tensor([tokens], dtype=torch.long, device=input_ids.device)  # int64, as transformers
         return settings.output(sequences)  # the tensor, or an object with .sequences (return_dict_in_generate)
+
+    def batch_session(self) -> BatchSession:
+        """Sequences that decode together, joining (`add`) and leaving at round boundaries (`batch.py`).
+
+        What `generate` runs for a batch, and what a server runs for its
+        concurrent requests: `session.add(prompt_ids, max_new_tokens=..., ...)`
+        prefills a row (generation options as `generate` takes them),
+        `session.step()` runs one round for every row and returns the rows
+        that finished.
+        """
+        return BatchSession(self.parts, self.plan, settings_for=self._row_settings, costs_for=self._batch_costs,
+                            check_context=self._check_context)
+
+    def _row_settings(self, prompt: list[int], *, logits_processor, stopping_criteria, kwargs,
+                      generation_config=None, tokenizer=None) -> GenerationSettings:
+        device = self.parts.lm_head.weight.device
+        return resolve_settings(self.model, prompt=torch.tensor([prompt], dtype=torch.long, device=device),
+                                has_attention_mask=True, generation_config=generation_config,
+                                logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                                tokenizer=tokenizer, device=device, kwargs=kwargs)
+
+    def _batch_costs(self, rows: int, learn: bool) -> RuntimeCosts:
+        """What a pass over `rows` rows costs here, by width: measured once per row count (and cached on disk)."""
+        if self.injected_costs is not None:  # a profile prices each row's share as one sequence's pass
+            table = self.injected_costs
+            return RuntimeCosts(dataclasses.replace(table, verify=tuple(t * rows for t in table.verify)), learn=False)
+        key = (torch.get_num_threads(), str(self.parts.device), rows)
+        if key not in self.batch_costs:
+            width = self.plan.draft_length + 1
+            table = load_or_measure(costs_cache_dir(), self._costs_key(batch_rows=rows, batch_width=width),
+                                    lambda: measure_batch_costs(self.parts, rows=rows, max_width=width))
+            self.batch_costs[key] = RuntimeCosts(table)
+        runtime = self.batch_costs[key]
+        return runtime if learn else RuntimeCosts(runtime.table, learn=False)
+
+    def _generate_rows(self, input_ids: torch.Tensor, prompts: list[list[int]], *, generation_config,
+                       logits_processor, stopping_criteria, streamer, generator, tokenizer, kwargs):
+        """A left-padded batch: every row in one `BatchSession`; the output padded as `model.generate` pads it."""
+        if streamer is not None and len(prompts) > 1:
+            raise ValueError(f"a streamer takes one sequence; this batch has {len(prompts)} "
+                             f"(valid: batch size 1 with a streamer, as transformers' streamers)")
+        device = self.parts.lm_head.weight.device
+        padded = input_ids.to(device)
+        # The length rule counts the padded prompt, as model.generate does; each row then gets that many new tokens.
+        whole = resolve_settings(self.model, prompt=padded[:1], has_attention_mask=True,
+                                 generation_config=generation_config, logits_processor=None, stopping_criteria=None,
+                                 tokenizer=tokenizer, device=device, kwargs=kwargs)
+        row_kwargs = {k: v for k, v in kwargs.items() if k != "max_length"}
+        row_kwargs["max_new_tokens"] = whole.max_new_tokens
+        if generation_config is not None:
+            generation_config = copy.deepcopy(generation_config)
+            generation_config.max_length = None
+        session = self.batch_session()
+        clock = Clock(self.parts.device)
+        rows = [session.add(prompt, streamer=streamer, stopping_criteria=stopping_criteria,
+                            logits_processor=logits_processor, generator=generator,
+                            generation_config=generation_config, tokenizer=tokenizer, **row_kwargs)
+                for prompt in prompts]
+        while len(session):
+            session.step()
+        stats = session.stats
+        stats.total_seconds = clock.total()
+        stats.plan = self.describe_plan()
+        self.last_stats = stats
+        pad = whole.config._pad_token_tensor
+        pad = int(pad.reshape(-1)[0]) if pad is not None else min(whole.eos_token_ids, default=0)
+        longest = max(len(row.new_tokens) for row in rows)
+        new = [row.new_tokens + [pad] * (longest - len(row.new_tokens)) for row in rows]
+        sequences = torch.cat([input_ids.long(), torch.tensor(new, dtype=torch.long, device=input_ids.device)], dim=1)
+        return whole.output(sequences)
 
     def _decode(
         self, prompt: list[int], settings: GenerationSettings, streamer, generator
@@ -410,7 +496,8 @@ class SelfSpecModel:
         policy.observe(draft, tree.first_path_kept(path), draft_seconds=draft_seconds, verify_seconds=verify_seconds,
                        width=len(tree) + 1)
 
-    def _check_prompt(self, input_ids, attention_mask) -> list[int]:
+    def _check_prompts(self, input_ids, attention_mask) -> list[list[int]]:
+        """Each row's prompt, its left padding removed; a clear error for anything else."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             got = f"a {input_ids.dim()}-d tensor" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise ValueError(f"input_ids must be a [batch, length] tensor of token ids, got {got}")
@@ -420,24 +507,33 @@ class SelfSpecModel:
             raise ValueError(f"input_ids is on the meta device (no data); valid: the CPU or the model's device "
                              f"({self.parts.lm_head.weight.device})")
         batch, length = input_ids.shape
-        if batch != 1:
-            raise ValueError(f"batch size {batch} is not supported yet (valid: 1)")
+        if batch < 1:
+            raise ValueError("input_ids has no rows (valid: batch size >= 1)")
         if length < 1:
             raise ValueError("input_ids is empty: the prompt needs at least one token")
+        pads = [0] * batch
         if attention_mask is not None:
             if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape):
                 shape = list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
                 raise ValueError(f"attention_mask of shape {shape} does not match input_ids of shape "
                                  f"{list(input_ids.shape)} (valid: the same shape)")
-            if not bool(attention_mask.all()):
-                raise ValueError("attention_mask with padding is not supported (batch size 1 needs no padding)")
-        prompt = input_ids[0].tolist()
+            for row, mask in enumerate(attention_mask.tolist()):
+                pads[row] = pad = length - sum(1 for m in mask if m)
+                if any(mask[:pad]) or not all(mask[pad:]) or pad == length:
+                    what = "no token" if pad == length else "padding that is not all on the left"
+                    raise ValueError(f"attention_mask row {row} has {what}: {mask} (valid: left padding, 0s then "
+                                     f"at least one 1, as model.generate takes it; tokenizer.padding_side='left')")
         vocab = self.model.get_input_embeddings().num_embeddings
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            position, token = next((i, t) for i, t in enumerate(prompt) if not 0 <= t < vocab)
-            raise ValueError(f"input_ids holds token id {token} at position {position}, out of range for the "
-                             f"model's vocabulary of {vocab} tokens (valid: 0..{vocab - 1})")
-        return prompt
+        prompts = []
+        for row, pad in enumerate(pads):
+            prompt = input_ids[row, pad:].tolist()
+            if min(prompt) < 0 or max(prompt) >= vocab:
+                position, token = next((pad + i, t) for i, t in enumerate(prompt) if not 0 <= t < vocab)
+                where = f"position {position}" if batch == 1 else f"row {row}, position {position}"
+                raise ValueError(f"input_ids holds token id {token} at {where}, out of range for the "
+                                 f"model's vocabulary of {vocab} tokens (valid: 0..{vocab - 1})")
+            prompts.append(prompt)
+        return prompts
 
     def _check_context(self, prompt_length: int, max_new_tokens: int | None) -> None:
         """The prompt, and the prompt with `max_new_tokens` more (when given), must fit in the context."""
@@ -455,58 +551,3 @@ class SelfSpecModel:
                 f"prompt ({prompt_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                 f"context of {context} tokens (valid max_new_tokens: 1..{context - prompt_length})"
             )
-
-
-class Output:
-    """The growing token sequence; decides when generation stops and feeds the streamer."""
-
-    def __init__(self, prompt: list[int], settings: GenerationSettings, streamer) -> None:
-        self.tokens = list(prompt)
-        self.limit = len(prompt) + settings.max_new_tokens
-        self.eos = settings.eos_token_ids
-        self.criteria = settings.stopping_criteria
-        self.streamer = streamer
-        self.done = False
-
-    @property
-    def remaining(self) -> int:
-        return self.limit - len(self.tokens)
-
-    def emit(self, chunk: list[int]) -> None:
-        kept = []
-        for token in chunk:
-            self.tokens.append(token)
-            kept.append(token)
-            if token in self.eos or len(self.tokens) >= self.limit or self._criteria_met():
-                self.done = True
-                break
-        if self.streamer is not None:
-            self.streamer.put(torch.tensor(kept))
-
-    def _criteria_met(self) -> bool:
-        if not self.criteria:
-            return False
-        return bool(self.criteria(torch.tensor([self.tokens]), None).any())
-
-
-@dataclass
-class Clock:
-    """Wall-clock laps; synchronises CUDA so a lap measures the work, not the launch."""
-
-    device: torch.device
-
-    def __post_init__(self) -> None:
-        self.begin = self.mark = time.perf_counter()
-
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def lap(self) -> float:
-        now = self._now()
-        lap, self.mark = now - self.mark, now
-        return lap
-
-    def total(self) -> float:
-        return self._now() - self.begin

@@ -53,16 +53,22 @@ class LayerRunner:
             self.rotary_kinds.append(self.rotary_kinds[head.source_layer])
         self.cache = self.cache_class(len(self.layers), capacity)
         self.positions = torch.arange(capacity, device=device)[None]  # [1, capacity]
-        # Rotary embeddings are elementwise in the position (length-dependent rope types
-        # are refused by the adapter), so one table per layer type, computed up front,
-        # equals what each forward pass would compute.
-        self.rotary: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
-        if parts.rotary is not None:
-            probe = torch.zeros(1, 1, 1, dtype=self.dtype, device=device)
+        self.rotary = self.rotary_tables(self.positions)
+
+    def rotary_tables(self, positions: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) per layer type, each `[1, capacity, rot_dim]`, for `positions` `[1, capacity]`.
+
+        Rotary embeddings are elementwise in the position (length-dependent
+        rope types are refused by the adapter), so one table per layer type,
+        computed up front, equals what each forward pass would compute.
+        """
+        tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+        if self.parts.rotary is not None:
+            probe = torch.zeros(1, 1, 1, dtype=self.dtype, device=positions.device)
             for kind in dict.fromkeys(self.rotary_kinds):
                 extra = {} if kind is None else {"layer_type": kind}
-                # (cos, sin), each [1, capacity, rot_dim]
-                self.rotary[kind] = parts.rotary(probe, position_ids=self.positions, **extra)
+                tables[kind] = self.parts.rotary(probe, position_ids=positions, **extra)
+        return tables
 
     def embed(self, token_ids: list[int] | torch.Tensor, start: int, tree: TokenTree | None = None) -> torch.Tensor:
         """`[1, q, hidden]` input embeddings of `token_ids` (a list, or `[1, q]` on the device) at start..start+q-1.

@@ -132,3 +132,53 @@ class GenerationStats:
         if self.costs:
             lines.append(f"costs: {self.costs}")
         return "\n".join(lines)
+
+
+@dataclass
+class BatchStats:
+    """What a batch did: every row's own `GenerationStats` (in the order rows finished) and the batch's totals.
+
+    A *pass* here is one forward pass of the full model over a block of rows:
+    each row's prefill is one, each round is one for all its rows. A row's
+    own `verify_passes` counts the passes it took part in, so its
+    `tokens_per_pass` is what it would be alone.
+    """
+
+    row_stats: list[GenerationStats] = field(default_factory=list)
+    passes: int = 0  # forward passes (prefills + rounds)
+    rounds: int = 0  # batched rounds
+    row_passes: int = 0  # the sum over passes of the rows in each
+    total_seconds: float = 0.0
+    costs: str = ""  # the batched cost table of the last round
+    plan: str = ""
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(s.new_tokens for s in self.row_stats)
+
+    @property
+    def drafted(self) -> int:
+        return sum(s.drafted for s in self.row_stats)
+
+    @property
+    def accepted(self) -> int:
+        return sum(s.accepted for s in self.row_stats)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Emitted tokens per row-pass: 1.00 for plain decoding, whatever the batch size."""
+        return self.new_tokens / self.row_passes if self.row_passes else 0.0
+
+    @property
+    def mean_batch(self) -> float:
+        """Rows per round, on average."""
+        rounds = self.row_passes - len(self.row_stats)  # each row's prefill ran alone
+        return rounds / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_seconds if self.total_seconds else 0.0

@@ -156,11 +156,11 @@ def test_eager_step_reads_back_per_drafted_token(monkeypatch):
 
 
 def test_bucketed_cost_tables_step_up_to_the_next_measured_width():
-    from selfspec.costs import _interpolate
+    from selfspec.costs import interpolate
 
     measured = {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}
-    assert _interpolate(measured, 8, step_up=True) == (1.0, 2.0, 4.0, 4.0, 8.0, 8.0, 8.0, 8.0)
-    assert _interpolate(measured, 8) == (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0)
+    assert interpolate(measured, 8, step_up=True) == (1.0, 2.0, 4.0, 4.0, 8.0, 8.0, 8.0, 8.0)
+    assert interpolate(measured, 8) == (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0)
 
 
 def test_buckets():

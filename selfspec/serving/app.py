@@ -21,7 +21,7 @@ import json
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Annotated, Literal
+from typing import Annotated, Callable, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -186,16 +186,17 @@ def sse(payload: dict | str) -> str:
 
 
 def create_app(spec, tokenizer, *, model_name: str, max_batch: int = 1, max_queue: int = 64,
-               api_key: str | None = None) -> FastAPI:
+               api_key: str | None = None, engine: Callable[..., Engine] = Engine) -> FastAPI:
     """An OpenAI-compatible app serving `spec` (`selfspec.wrap(model)`) under the name `model_name`.
 
     The app owns a `Scheduler` (`app.state.scheduler`) whose worker thread
     starts and stops with the app's lifespan, and its own metrics registry
-    (`app.state.metrics`).
+    (`app.state.metrics`). `engine(spec, tokenizer)` builds what runs the jobs
+    (default `Engine`; a benchmark passes another with its interface).
     """
     tokens = Tokenizer(tokenizer)
     metrics = Metrics()
-    scheduler = Scheduler(Engine(spec, tokens), metrics, max_batch=max_batch, max_queue=max_queue)
+    scheduler = Scheduler(engine(spec, tokens), metrics, max_batch=max_batch, max_queue=max_queue)
     config = spec.model.config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     context = getattr(text_config, "max_position_embeddings", None)

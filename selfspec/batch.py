@@ -1,0 +1,416 @@
+"""Batched generation: several sequences, each with its own draft and acceptance, over one cache of rows.
+
+A `BatchSession` holds the sequences that decode together. Each is a
+`BatchRow`: its tokens and stopping rules (`output.Output`), its scorer (its
+own logits processors, sampling settings and generator), its acceptance
+estimates and its stats. A row joins with `add` (its prompt's prefill, one pass
+of its own) and leaves when it is done; `step` runs one round for every row:
+
+1. draft: each row's n-gram proposal (prompt lookup over its own tokens);
+2. choose: one verify width for the batch, the one that maximises the
+   batch's expected emitted tokens per second, from each row's learned
+   acceptance and the measured cost of a pass over (rows, width): the cost
+   model decides per batch, and width 1 is a plain step for every row;
+3. verify: one pass of the full model over `[rows, width]`, row i holding
+   its last token and its draft, padded;
+4. accept: per row, the greedy prefix rule or the rejection rule
+   (`acceptance.py`), with the row's own scores;
+5. roll back: each row's length moves to what it kept (O(1));
+6. emit, record, and drop the rows that finished.
+
+The cache (`BatchedKVCache`) is the target's own, one row per sequence, rows
+packed at the front: a finished row's place is taken by the last row (one
+row's entries copied, never the cache), a joining row takes the next free
+row, and the cache grows (doubling) when a longer sequence joins. Nothing
+else is kept per sequence.
+
+Greedy rows equal `model.generate` on their prompt alone (exactly in
+float64); sampling rows keep the target's distribution, since every draft
+length is chosen from what is known before the verify pass. A seed
+reproduces a row's sample for the same batch (the batch's choice of width
+depends on the other rows).
+
+What this module does not do (today): layer drafts, exit heads, draft
+vocabularies and token trees in a batch (a plan's n-gram lookup drafts for
+every row; its layers do not), the static step and CUDA graphs (a batch runs
+eager), and prefix sharing between rows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .acceptance import accept_greedy, accept_sampling
+from .costs import PassCosts, RuntimeCosts, interpolate, machine_description
+from .draft import Draft
+from .hf_generation import GenerationSettings
+from .ngram import longest_match
+from .output import Clock, Output
+from .parts import ModelParts, soft_cap
+from .plan import DraftPlan
+from .policy import AcceptanceEstimates
+from .runner import LayerRunner
+from .scoring import Scorer
+from .stats import BatchStats, GenerationStats
+
+MEASURE_CONTEXT = 48  # tokens each row holds while a batched pass is timed
+
+
+class BatchedKVCache:
+    """The one KV cache with a row per sequence: per layer `[rows, kv_heads, capacity, head_dim]`.
+
+    The active rows are packed at the front (0..count-1). A pass runs on a
+    contiguous block of them (`rows`: every active row for a round, one row
+    for a prefill), writes its q new entries of row r at `write_slots[r]`
+    (`[r, q]`, set by the runner) and attends to the first `span` positions.
+    Each row has one length (`lengths`, host), the same in every layer: a
+    batch verifies with the full model, so all layers hold the same entries.
+    Entries past a row's length are stale and never seen: a query at slot s
+    sees slots <= s, and those past the length are written by its own pass.
+    Buffers start zeroed (a masked key gets weight 0, and 0 x NaN is NaN).
+    """
+
+    def __init__(self, num_layers: int, capacity: int, rows: int = 1) -> None:
+        self.capacity = capacity
+        self.row_capacity = max(1, rows)
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.lengths: list[int] = []  # per active row
+        self.rows = slice(0, 0)
+        self.write_slots: torch.Tensor | None = None  # [r, q] int64
+        self.span = 0
+
+    @property
+    def count(self) -> int:
+        return len(self.lengths)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write `[r, kv_heads, q, head_dim]` at `write_slots`; return the block's first `span` positions."""
+        if self.keys[layer_idx] is None:
+            self.keys[layer_idx] = _zeros_like_rows(key_states, self.row_capacity, self.capacity)
+            self.values[layer_idx] = _zeros_like_rows(value_states, self.row_capacity, self.capacity)
+        keys, values = self.keys[layer_idx][self.rows], self.values[layer_idx][self.rows]  # views
+        r, heads, q, dim = key_states.shape
+        index = self.write_slots[:, None, :, None].expand(r, heads, q, dim)
+        keys.scatter_(2, index, key_states)
+        values.scatter_(2, index.expand(r, value_states.shape[1], q, value_states.shape[3]), value_states)
+        return keys[:, :, : self.span], values[:, :, : self.span]
+
+    def add_row(self) -> int:
+        """A new, empty row at the end of the active ones; more rows are allocated (doubling) when full."""
+        if self.count == self.row_capacity:
+            self._reallocate(2 * self.row_capacity, self.capacity)
+        self.lengths.append(0)
+        return self.count - 1
+
+    def remove_row(self, row: int) -> None:
+        """Drop `row`: the last active row moves into its place (its valid entries only)."""
+        last = self.count - 1
+        if row != last:
+            n = self.lengths[last]
+            for buffers in (self.keys, self.values):
+                for buffer in buffers:
+                    if buffer is not None:
+                        buffer[row, :, :n].copy_(buffer[last, :, :n])
+            self.lengths[row] = n
+        self.lengths.pop()
+
+    def grow(self, capacity: int) -> None:
+        """Hold at least `capacity` positions per row (doubling, so a growing server copies rarely)."""
+        if capacity > self.capacity:
+            self._reallocate(self.row_capacity, max(capacity, 2 * self.capacity))
+
+    def _reallocate(self, rows: int, capacity: int) -> None:
+        for buffers in (self.keys, self.values):
+            for i, old in enumerate(buffers):
+                if old is not None:
+                    new = old.new_zeros(rows, old.shape[1], capacity, old.shape[3])
+                    new[: old.shape[0], :, : old.shape[2]].copy_(old)
+                    buffers[i] = new
+        self.row_capacity, self.capacity = rows, capacity
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
+
+
+def _zeros_like_rows(states: torch.Tensor, rows: int, capacity: int) -> torch.Tensor:
+    return torch.zeros(rows, states.shape[1], capacity, states.shape[3], dtype=states.dtype, device=states.device)
+
+
+class BatchRunner(LayerRunner):
+    """Runs the target's layers on a block of rows, each row at its own positions (`BatchedKVCache`)."""
+
+    cache_class = BatchedKVCache
+
+    def grow(self, capacity: int) -> None:
+        """Room for `capacity` positions per row: the cache and the rotary tables."""
+        if capacity > self.cache.capacity:
+            self.cache.grow(capacity)
+            self.positions = torch.arange(self.cache.capacity, device=self.positions.device)[None]  # [1, capacity]
+            self.rotary = self.rotary_tables(self.positions)
+
+    def forward_rows(self, ids: torch.Tensor, starts: list[int], rows: slice) -> torch.Tensor:
+        """Float32 logits `[r, q, vocab]` of the full model over `ids` `[r, q]`; row j's tokens at starts[j]..
+
+        Each row must hold exactly `starts[j]` valid entries; after the pass it
+        holds starts[j] + q (the caller crops to what it keeps).
+        """
+        r, q = ids.shape
+        device = self.positions.device
+        slots = torch.tensor(starts, device=device)[:, None] + torch.arange(q, device=device)  # [r, q]
+        cache = self.cache
+        cache.rows, cache.write_slots, cache.span = rows, slots, max(starts) + q
+        hidden = self.parts.embed(ids)  # [r, q, hidden]
+        if self.parts.position_embed is not None:  # learned absolute positions (GPT-2)
+            hidden = hidden + self.parts.position_embed(slots)
+        rotary = {kind: tuple(t[0][slots] for t in table) for kind, table in self.rotary.items()}  # [r, q, dim]
+        masks: dict[int | None, torch.Tensor] = {}
+        keys = torch.arange(cache.span, device=device)  # [span]
+        for i in range(self.parts.num_layers):
+            window = self.windows[i]
+            if window not in masks:
+                allowed = keys[None, None] <= slots[:, :, None]  # [r, q, span]
+                if window is not None:
+                    allowed &= keys[None, None] > slots[:, :, None] - window
+                masks[window] = self.row_mask(allowed)
+            hidden = self.call(self.layers[i], hidden, mask=masks[window],
+                               position_embeddings=rotary.get(self.rotary_kinds[i]), position_ids=slots, cache=cache)
+        for j, start in enumerate(starts):
+            cache.lengths[rows.start + j] = start + q
+        return soft_cap(self.parts.lm_head(self.parts.norm(hidden)), self.parts.logit_softcap).float()
+
+    def row_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """`[r, 1, q, span]` mask from `[r, q, span]`: bool for sdpa, additive for eager."""
+        if self.bool_masks:
+            return allowed[:, None]
+        additive = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
+        return additive.masked_fill(~allowed, torch.finfo(self.dtype).min)[:, None]
+
+
+def measure_batch_costs(parts: ModelParts, *, rows: int, max_width: int, repeats: int = 2) -> PassCosts:
+    """Seconds of a full pass over `[rows, q]` for q = 1, 2, 4, 8, ... `max_width` (others interpolated).
+
+    Timed on a scratch cache with `MEASURE_CONTEXT` entries per row; each
+    figure is the minimum of `repeats` runs after a warm-up, widths
+    interleaved (on a shared machine the minimum is the cost, the rest is
+    other load). `draft_step` is 0: a batch drafts no layers.
+    """
+    began = time.perf_counter()
+    runner = BatchRunner(parts, capacity=MEASURE_CONTEXT + max_width)
+    for _ in range(rows):
+        runner.cache.add_row()
+    generator = torch.Generator().manual_seed(0)
+    device = runner.positions.device
+    ids = torch.randint(0, parts.vocab_size, (rows, MEASURE_CONTEXT + max_width), generator=generator).to(device)
+    everyone = slice(0, rows)
+    runner.forward_rows(ids[:, :MEASURE_CONTEXT], [0] * rows, everyone)
+    widths = sorted({q for q in (1, 2, 4, 8, 16, 32) if q < max_width} | {max_width})
+    best = {q: float("inf") for q in widths}
+    clock = Clock(device)
+    for i in range(repeats + 1):  # round 0 warms up
+        for q in widths:
+            clock.lap()
+            runner.forward_rows(ids[:, MEASURE_CONTEXT : MEASURE_CONTEXT + q], [MEASURE_CONTEXT] * rows, everyone)
+            seconds = clock.lap()
+            if i:
+                best[q] = min(best[q], seconds)
+    return PassCosts(interpolate(best, max_width), 0.0, parts.num_layers,
+                     machine=f"{machine_description(device)}, {rows} rows",
+                     measure_seconds=time.perf_counter() - began)
+
+
+@dataclass(eq=False)
+class BatchRow:
+    """One sequence in a batch."""
+
+    out: Output
+    scorer: Scorer
+    acceptance: AcceptanceEstimates
+    prompt_length: int
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    began: float = field(default_factory=time.perf_counter)
+
+    @property
+    def done(self) -> bool:
+        return self.out.done
+
+    @property
+    def new_tokens(self) -> list[int]:
+        return self.out.tokens[self.prompt_length :]
+
+
+class BatchSession:
+    """Sequences decoding together (see the module docstring); `add` a row, `step` a round, until empty.
+
+    `settings_for(prompt, kwargs)`: a row's `GenerationSettings`, resolved
+    as `model.generate` resolves them. `costs_for(rows, learn)`: the
+    `RuntimeCosts` of a pass over that many rows (measured on first use).
+    """
+
+    def __init__(self, parts: ModelParts, plan: DraftPlan, *, settings_for: Callable[..., GenerationSettings],
+                 costs_for: Callable[[int, bool], RuntimeCosts], check_context: Callable[[int, int], None]) -> None:
+        self.parts = parts
+        self.ngram = plan.ngram
+        self.max_draft = plan.draft_length if plan.ngram else 0
+        self.prior = plan.target_acceptance
+        self.settings_for = settings_for
+        self.costs_for = costs_for
+        self.check_context = check_context
+        self.runner: BatchRunner | None = None  # made on the first add, sized for that row
+        self.rows: list[BatchRow] = []  # in cache order: rows[i] is cache row i
+        self.stats = BatchStats()
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def kv_cache_bytes(self) -> int:
+        return 0 if self.runner is None else self.runner.cache.nbytes()
+
+    @torch.no_grad()
+    def add(self, prompt: list[int], *, streamer=None, stopping_criteria=None, logits_processor=None,
+            generation_config=None, tokenizer=None, generator: torch.Generator | None = None, **kwargs) -> BatchRow:
+        """A new row: its settings (kwargs as `generate` takes them), its prefill and its first token.
+
+        A row that is done at once (`max_new_tokens=1`, or EOS first) is
+        returned finished and does not join.
+        """
+        self.check_context(len(prompt), None)
+        settings = self.settings_for(prompt, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                                     generation_config=generation_config, tokenizer=tokenizer, kwargs=kwargs)
+        self.check_context(len(prompt), settings.max_new_tokens)
+        capacity = len(prompt) + settings.max_new_tokens + self.max_draft + 1
+        if self.runner is None:
+            self.runner = BatchRunner(self.parts, capacity=capacity)
+        self.runner.grow(capacity)
+        row = BatchRow(Output(prompt, settings, streamer), Scorer(settings, generator),
+                       AcceptanceEstimates(prior=self.prior), len(prompt))
+        if streamer is not None:
+            streamer.put(torch.tensor(prompt))
+        clock = Clock(self.parts.device)
+        index = self.runner.cache.add_row()
+        ids = torch.tensor([prompt], device=self.runner.positions.device)  # [1, prompt]
+        logits = self.runner.forward_rows(ids, [0], slice(index, index + 1))[:, -1]  # [1, vocab]
+        scores = row.scorer.scores(logits, row.out.tokens, len(row.out.tokens))
+        row.out.emit([row.scorer.target_choice(scores)])
+        row.stats.verify_passes += 1
+        row.stats.prefill_seconds = clock.lap()
+        self.stats.passes += 1
+        self.stats.row_passes += 1
+        self.rows.append(row)
+        if row.done:
+            self._finish([row])
+        return row
+
+    @torch.no_grad()
+    def step(self) -> list[BatchRow]:
+        """One round for every row; returns the rows that finished in it (they have left the batch)."""
+        if not self.rows:
+            return []
+        clock = Clock(self.parts.device)
+        n = len(self.rows)
+        starts = [len(row.out.tokens) - 1 for row in self.rows]  # each row's last token is not in the cache yet
+        # 1. draft: each row's n-gram proposal
+        proposals = [self._proposal(row) for row in self.rows]
+        # 2. choose the batch's draft length by expected tokens per second
+        costs, k = None, 0
+        if any(tokens for tokens, _ in proposals):
+            sampling = any(row.scorer.do_sample for row in self.rows)
+            costs = self.costs_for(n, not sampling)  # when sampling, decide from the table, not timing noise
+            k = self._draft_length(costs, proposals)
+        drafts = [tokens[:k] for tokens, _ in proposals]
+        width = 1 + max(len(d) for d in drafts)
+        draft_seconds = clock.lap()
+        # 3. verify: one pass over [rows, width], each row its last token and its draft, padded
+        ids = [[row.out.tokens[-1], *d] + [row.out.tokens[-1]] * (width - 1 - len(d))
+               for row, d in zip(self.rows, drafts)]
+        logits = self.runner.forward_rows(torch.tensor(ids, device=self.runner.positions.device), starts,
+                                          slice(0, n))  # [n, width, vocab]
+        verify_seconds = clock.lap()
+        if costs is not None:
+            costs.observe_verify(width, 0, verify_seconds)
+            self.stats.costs = costs.table.summary()
+        finished = []
+        for i, (row, draft, (_, match_length)) in enumerate(zip(self.rows, drafts, proposals)):
+            # 4. accept, with the row's own scores
+            scores = row.scorer.scores(logits[i, : len(draft) + 1], row.out.tokens + draft, len(row.out.tokens))
+            if row.scorer.do_sample:
+                verdict = accept_sampling(draft, _one_hot(draft, scores), row.scorer.probs(scores),
+                                          row.scorer.generator)
+            else:
+                verdict = accept_greedy(draft, scores)
+            # 5. roll back: the row keeps its last token and the accepted drafted tokens
+            self.runner.cache.lengths[i] = starts[i] + 1 + verdict.accepted
+            # 6. emit and record
+            row.out.emit(draft[: verdict.accepted] + [verdict.next_token])
+            row.stats.record_round(drafted=len(draft), accepted=verdict.accepted, draft_seconds=draft_seconds / n,
+                                   verify_seconds=verify_seconds / n, source="ngram" if draft else "layers")
+            row.acceptance.decay()
+            if draft:
+                row.acceptance.observe(Draft(draft, None, [], source="ngram", match_length=match_length),
+                                       verdict.accepted)
+            if row.done:
+                finished.append(row)
+        self.stats.passes += 1
+        self.stats.rounds += 1
+        self.stats.row_passes += n
+        self._finish(finished)
+        return finished
+
+    def _proposal(self, row: BatchRow) -> tuple[list[int], int]:
+        """The row's n-gram proposal (tokens, matched suffix length), within what it may still emit."""
+        budget = min(self.max_draft, row.out.remaining - 1)
+        if not self.ngram or budget < 1:
+            return [], 0
+        return longest_match(row.out.tokens, max_ngram=self.ngram, budget=budget)
+
+    def _draft_length(self, costs: RuntimeCosts, proposals: list[tuple[list[int], int]]) -> int:
+        """The common cut k of the rows' proposals that maximises expected emitted tokens per second.
+
+        Row i emits 1 + sum over j <= min(k, its proposal) of the chance that
+        its first j copied tokens are all accepted; the pass costs
+        `costs.verify(k + 1)` for the whole batch. Ties go to the shorter.
+        """
+        longest = max(len(tokens) for tokens, _ in proposals)
+        if not longest:
+            return 0
+        odds = [[row.acceptance.ngram_token(match, j + 1) for j in range(len(tokens))]
+                for row, (tokens, match) in zip(self.rows, proposals)]
+        reach = [1.0] * len(odds)
+        expected = float(len(odds))
+        best_k, best_rate = 0, expected / costs.verify(1)
+        for k in range(1, longest + 1):
+            for i, row_odds in enumerate(odds):
+                if k <= len(row_odds):
+                    reach[i] *= row_odds[k - 1]
+                    expected += reach[i]
+            rate = expected / costs.verify(k + 1)
+            if rate > best_rate * (1 + 1e-9):
+                best_k, best_rate = k, rate
+        return best_k
+
+    def _finish(self, rows: list[BatchRow]) -> None:
+        """Rows that are done leave the batch; their stats are completed and kept in the session's."""
+        for row in rows:
+            index = self.rows.index(row)
+            last = self.rows.pop()
+            if last is not row:
+                self.rows[index] = last
+            self.runner.cache.remove_row(index)
+            if row.out.streamer is not None:
+                row.out.streamer.end()
+            row.stats.new_tokens = len(row.new_tokens)
+            row.stats.total_seconds = time.perf_counter() - row.began
+            row.stats.policy = f"batch cost (acceptance {row.acceptance.summary()})" if self.ngram else "plain"
+            self.stats.row_stats.append(row.stats)
+
+
+def _one_hot(draft: list[int], scores: torch.Tensor) -> torch.Tensor:
+    """q `[k, vocab]` of a deterministic proposal: all its mass on the proposed token."""
+    q = torch.zeros(len(draft), scores.shape[-1], device=scores.device)
+    if draft:
+        q[torch.arange(len(draft)), torch.tensor(draft)] = 1.0
+    return q
