@@ -13,9 +13,11 @@ import math
 import pytest
 import torch
 
+import selfspec
 from benchmarks import serve_load
 from benchmarks.serve_load import RequestResult, percentile, per_token_latency, summarize_level
 from benchmarks.workload import Prompt
+from selfspec.serving.generation import Tokenizer
 from selfspec.testing import tiny_model
 from test_serve import PLAN, tiny_tokenizer
 
@@ -99,7 +101,13 @@ def test_interleave_takes_categories_in_turn_and_levels_parse():
 # --------------------------------------------------------------------------- end to end
 
 
-def test_a_small_run_serves_three_ways_and_reports_every_level(tmp_path):
+def test_generate_engine_refuses_a_batch():
+    engine = serve_load.GenerateEngine(selfspec.wrap(tiny_model("llama"), plan=PLAN), Tokenizer(tiny_tokenizer()))
+    with pytest.raises(RuntimeError, match="max_batch=1"):
+        engine.session()
+
+
+def test_a_small_run_serves_three_ways_and_reports_every_level():
     model, tokenizer = tiny_model("llama"), tiny_tokenizer()
     texts = ["w1 w2 w3", "w4 w5", "w6 w7 w8 w9"]
     prompts = [Prompt(f"p{i}", f"c{i % 2}", text, torch.zeros(1, 1, dtype=torch.long)) for i, text in enumerate(texts)]
@@ -118,8 +126,7 @@ def test_a_small_run_serves_three_ways_and_reports_every_level(tmp_path):
             assert 0 < s["ttft_p50"] <= s["ttft_p99"] <= s["latency_p99"]
             assert s["per_token_p50"] is not None and s["identical"] == s["compared"] == 4
     assert result["levels"]["hf-generate"][1]["vs_baseline"] == 1.0
-    assert result["levels"]["selfspec-plan"][1]["acceptance_rate"] is not None  # the plan drafts
-    assert result["levels"]["hf-generate"][1]["acceptance_rate"] is None
+    assert result["levels"]["hf-generate"][1]["acceptance_rate"] is None  # model.generate drafts nothing
     assert any(line.startswith("warm-up hf-generate: ok") for line in lines)
     table = serve_load.markdown({"model": "tiny"}, result)
     assert table.count("| hf-generate |") == 2 and "24/24 identical" in table
