@@ -11,9 +11,10 @@ from .registry import supported_model_types
 from .engine import SelfSpecModel, wrap
 from .memory import MemoryReport
 from .plan import DraftPlan
-from .stats import GenerationStats
+from .batch import BatchSession
+from .stats import BatchStats, GenerationStats
 
-__all__ = ["DraftPlan", "GenerationStats", "MemoryReport", "SelfSpecModel", "load", "supported_model_types", "wrap"]
+__all__ = ["BatchSession", "BatchStats", "DraftPlan", "GenerationStats", "MemoryReport", "SelfSpecModel", "load", "supported_model_types", "wrap"]
 __version__ = "0.1.0"
 
 

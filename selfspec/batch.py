@@ -267,6 +267,12 @@ class BatchSession:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def prepare(self, max_rows: int) -> None:
+        """Measure (or load) the batched pass costs for 1..max_rows rows now, not in a request's first round."""
+        if self.max_draft:
+            for rows in range(1, max_rows + 1):
+                self.costs_for(rows, True)
+
     def kv_cache_bytes(self) -> int:
         return 0 if self.runner is None else self.runner.cache.nbytes()
 
@@ -406,6 +412,8 @@ class BatchSession:
             row.stats.total_seconds = time.perf_counter() - row.began
             row.stats.policy = f"batch cost (acceptance {row.acceptance.summary()})" if self.ngram else "plain"
             self.stats.row_stats.append(row.stats)
+        if not self.rows:
+            self.runner = None  # an empty batch holds no cache; the next row allocates anew
 
 
 def _one_hot(draft: list[int], scores: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,18 @@ class Gated:
         criteria = StoppingCriteriaList([*(stopping_criteria or []), Wait(self.gate)])
         return self.spec.generate(input_ids, stopping_criteria=criteria, **kwargs)
 
+    def batch_session(self):
+        """A batch (--max-batch > 1) whose rows wait at every token too."""
+        session = self.spec.batch_session()
+        add = session.add
+
+        def gated_add(prompt, *, stopping_criteria=None, **kwargs):
+            criteria = StoppingCriteriaList([*(stopping_criteria or []), Wait(self.gate)])
+            return add(prompt, stopping_criteria=criteria, **kwargs)
+
+        session.add = gated_add
+        return session
+
 
 class Server:
     def __init__(self, app, url: str, gate: threading.Event) -> None:
@@ -131,6 +143,16 @@ def tiny():
 @pytest.fixture(scope="module")
 def server(tiny):
     with serving(*tiny, max_queue=64) as handle:
+        yield handle
+
+
+BATCH_PLAN = selfspec.DraftPlan(ngram=2, draft_length=3, policy="fixed")  # every row drafts its n-gram matches
+
+
+@pytest.fixture(scope="module")
+def batched(tiny):
+    """A server with continuous batching: up to 4 requests share each round."""
+    with serving(*tiny, plan=BATCH_PLAN, max_queue=64, max_batch=4) as handle:
         yield handle
 
 
@@ -247,8 +269,10 @@ def test_models_and_health(server):
 # --------------------------------------------------------------------------- concurrency and cancellation
 
 
-def test_concurrent_streams_each_equal_to_the_request_alone(server):
-    prompts = [f"w{10 + i} w{40 + i}" for i in range(16)]
+@pytest.mark.parametrize("which", ["server", "batched"])
+def test_concurrent_streams_each_equal_to_the_request_alone(which, request):
+    server = request.getfixturevalue(which)
+    prompts = [f"w{10 + i} w{40 + i} w{10 + i} w{40 + i}" for i in range(16)]  # repeats: n-gram drafts
     alone = {p: streamed_chat(server, p)[0] for p in prompts}
     assert len(set(alone.values())) > 1  # the prompts' answers differ, so a mix-up would show
     results: dict[str, tuple[str, str]] = {}
@@ -310,6 +334,57 @@ def test_client_disconnect_cancels_its_request_only(server, tiny):
     assert chat(server, "w52").choices[0].message.content == reference(tiny, chat_ids(tiny[1], "w52"))
 
 
+def test_batched_rounds_serve_several_requests_at_once(batched, tiny):
+    """Requests join a running batch at round boundaries and share its rounds; a disconnect frees its row."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "w60 w61 w60"}], "max_tokens": 200,
+            "temperature": 0, "stream": True}
+    cancelled = batched.metric('selfspec_requests_total{outcome="cancelled"}')
+    results: dict = {}
+    batched.gate.clear()  # the worker holds the first request at its first token
+    try:
+        with httpx.Client(timeout=30) as client:
+            with client.stream("POST", f"{batched.url}/v1/chat/completions", json=body) as response:
+                lines = response.iter_lines()
+                next(lines)
+                wait_until(lambda: len(batched.scheduler.running) == 1, "the stream to run")
+                leaving = batched.scheduler.running[0]
+                others = [threading.Thread(target=lambda c=c: results.setdefault(c, chat(batched, c)))
+                          for c in ("w62 w63 w62", "w64")]
+                for thread in others:
+                    thread.start()
+                wait_until(lambda: batched.scheduler.queue_depth == 2, "two requests to queue behind it")
+                rounds = batched.metric("selfspec_batch_rounds_total")
+                rows = batched.metric("selfspec_batch_rows_total")
+                batched.gate.set()  # they join at the next round boundary, while the stream still runs
+                for thread in others:
+                    thread.join(timeout=60)
+                assert not leaving.cancelled.is_set()
+        wait_until(leaving.cancelled.is_set, "the server to notice the closed stream")
+    finally:
+        batched.gate.set()
+    for content, response in results.items():
+        assert response.choices[0].message.content == reference(tiny, chat_ids(tiny[1], content))
+    # the two requests ran in rounds shared with the stream: more than one row per round on average
+    shared = (batched.metric("selfspec_batch_rows_total") - rows) / (batched.metric("selfspec_batch_rounds_total") - rounds)
+    assert shared > 1.5, shared
+    wait_until(lambda: batched.metric('selfspec_requests_total{outcome="cancelled"}') == cancelled + 1,
+               "the stream to end as cancelled")
+    wait_until(lambda: batched.metric("selfspec_batch_size") == 0, "the batch to empty")
+    assert batched.scheduler.running == [] and batched.metric("selfspec_kv_cache_bytes") == 0  # rows freed
+
+
+def test_batched_seeded_sampling_reproduces_alone(batched):
+    first = chat(batched, "w5 w6", temperature=1.0, seed=7).choices[0].message.content
+    assert chat(batched, "w5 w6", temperature=1.0, seed=7).choices[0].message.content == first
+
+
+def test_batched_bad_input_fails_alone_and_the_batch_goes_on(batched, tiny):
+    bad = httpx.post(f"{batched.url}/v1/chat/completions",
+                     json={"model": MODEL, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 10_000})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    assert chat(batched, "w9 w8").choices[0].message.content == reference(tiny, chat_ids(tiny[1], "w9 w8"))
+
+
 def test_non_streaming_client_gone_cancels(server):
     cancelled = server.metric('selfspec_requests_total{outcome="cancelled"}')
     server.gate.clear()
@@ -327,7 +402,7 @@ def test_non_streaming_client_gone_cancels(server):
 
 
 def test_next_batch_takes_up_to_max_batch_and_runs_them_in_order():
-    """The seam for batched rounds: `_next_batch` takes up to max_batch waiting requests; today they run in turn."""
+    """One-at-a-time serving's queue: `_next_batch` takes waiting requests, `_run_batch` runs them in turn."""
     from selfspec.serving.generation import Job
     from selfspec.serving.metrics import Metrics
     from selfspec.serving.scheduler import Scheduler

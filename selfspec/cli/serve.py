@@ -17,9 +17,11 @@ from . import common
 
 HELP = "serve a model over an OpenAI-compatible HTTP API (chat and completions, streaming)"
 EPILOG = (
-    "Requests run one at a time on one worker thread: --max-batch N takes up to N waiting requests at a round "
-    "boundary, but today still runs them one after another (batched rounds are not implemented yet). "
-    "A request beyond --max-queue waiting ones gets HTTP 429. Endpoints: POST /v1/chat/completions, "
+    "One worker thread owns the model. With --max-batch N > 1 (the default, 8) requests are batched "
+    "continuously: at every round boundary waiting requests join while fewer than N run, each round is one "
+    "forward pass for all of them (each its own n-gram draft; the measured cost model picks the draft length "
+    "per batch), and a finished request leaves at once. --max-batch 1 runs one request at a time with every "
+    "plan feature (layer drafts, heads, trees, the static step). A request beyond --max-queue waiting ones gets HTTP 429. Endpoints: POST /v1/chat/completions, "
     "POST /v1/completions, GET /v1/models, /health, /metrics (Prometheus). With --api-key, /v1 requests need "
     "'Authorization: Bearer KEY'; /health and /metrics stay open. Needs: pip install 'selfspec[serve]'."
 )
@@ -36,8 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", type=common.text,
                         help="address to bind (default: 127.0.0.1, this machine only)")
     parser.add_argument("--port", type=common.integer(0, 65535), default=8000, help="port (default: 8000)")
-    parser.add_argument("--max-batch", type=common.integer(1), default=1, metavar="N",
-                        help="requests taken off the queue at once (default: 1); they still run one at a time")
+    parser.add_argument("--max-batch", type=common.integer(1), default=8, metavar="N",
+                        help="requests that share a round (continuous batching; default: 8); 1: one at a time, "
+                             "with every plan feature")
     parser.add_argument("--max-queue", type=common.integer(1), default=64, metavar="N",
                         help="requests that may wait; one more gets HTTP 429 (default: 64)")
     parser.add_argument("--api-key", type=common.text, default=None, metavar="KEY",
@@ -74,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     name = args.model_name or args.model
     app = create_app(spec, tokenizer, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue,
                      api_key=args.api_key)
-    print(f"selfspec: serving {name} on http://{args.host}:{args.port}/v1 (one request at a time)",
+    how = "one request at a time" if args.max_batch == 1 else f"continuous batching, up to {args.max_batch} requests"
+    print(f"selfspec: serving {name} on http://{args.host}:{args.port}/v1 ({how})",
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0

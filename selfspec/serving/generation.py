@@ -98,6 +98,7 @@ class Job:
     first_token_at: float | None = None
     finished_at: float | None = None
     outcome: str | None = None  # how it ended, as counted: "completed", "cancelled" or "failed"
+    streamer: object = None  # its JobStreamer, while it runs in a batch
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -192,7 +193,8 @@ class JobStreamer:
 
 
 class Engine:
-    """Runs jobs on a wrapped model (`selfspec.wrap(model)`), one `generate` call each."""
+    """Runs jobs on a wrapped model (`selfspec.wrap(model)`): alone (`run`: one `generate` call) or as rows of a
+    batch (`session`, `join`, `finished`)."""
 
     def __init__(self, spec, tokenizer: Tokenizer) -> None:
         self.spec = spec
@@ -207,10 +209,8 @@ class Engine:
         context = len(job.prompt) + job.max_tokens + max(plan.draft_length, plan.tree) + 1
         return self.spec.memory(context=context).kv_cache_bytes
 
-    def run(self, job: Job) -> Result:
-        """Generate for `job`, streaming deltas to it as they come; returns (and does not send) the result."""
-        criteria = JobCriteria(job, self.tokenizer)
-        streamer = JobStreamer(job, self.tokenizer, criteria)
+    def options(self, job: Job) -> dict:
+        """`generate` options of a job: its length, and greedy or sampling with its seed."""
         options: dict = dict(max_new_tokens=job.max_tokens)
         if job.temperature == 0 or job.top_p == 0:
             options["do_sample"] = False
@@ -218,11 +218,38 @@ class Engine:
             options.update(do_sample=True, temperature=job.temperature, top_p=job.top_p)
             if job.seed is not None:
                 options["generator"] = torch.Generator(device=self.device).manual_seed(job.seed)
+        return options
+
+    def run(self, job: Job) -> Result:
+        """Generate for `job` alone, streaming deltas to it as they come; returns (and does not send) the result."""
+        criteria = JobCriteria(job, self.tokenizer)
+        streamer = JobStreamer(job, self.tokenizer, criteria)
         input_ids = torch.tensor([job.prompt], dtype=torch.long, device=self.device)
         output = self.spec.generate(input_ids, stopping_criteria=StoppingCriteriaList([criteria]),
-                                    streamer=streamer, **options)
-        stats = self.spec.last_stats
-        new = output[0, len(job.prompt):].tolist()
+                                    streamer=streamer, **self.options(job))
+        return self.result(job, output[0, len(job.prompt):].tolist(), self.spec.last_stats, streamer)
+
+    def session(self, max_rows: int):
+        """A batch that requests join and leave at round boundaries (`spec.batch_session()`), its costs measured."""
+        session = self.spec.batch_session()
+        session.prepare(max_rows)
+        return session
+
+    def join(self, session, job: Job):
+        """Add `job` to `session` as a new row (its prefill and first token); returns the row."""
+        criteria = JobCriteria(job, self.tokenizer)
+        streamer = JobStreamer(job, self.tokenizer, criteria)
+        row = session.add(job.prompt, stopping_criteria=StoppingCriteriaList([criteria]), streamer=streamer,
+                          **self.options(job))
+        job.streamer = streamer
+        return row
+
+    def finished(self, job: Job, row) -> Result:
+        """The result of a job whose row left its batch."""
+        return self.result(job, row.new_tokens, row.stats, job.streamer)
+
+    def result(self, job: Job, new: list[int], stats, streamer: "JobStreamer") -> Result:
+        """The job's text (cut at a stop string), why it ended, and its counts; the stream's last delta is sent."""
         text = self.tokenizer.decode(new)
         cut = find_stop(text, job.stop) if job.stop else None
         if cut is not None:

@@ -40,6 +40,10 @@ class Metrics:
         self.verify_passes = Counter("selfspec_verify_passes", "Full forward passes", registry=registry)
         self.queue_depth = Gauge("selfspec_queue_depth", "Requests waiting for the worker", registry=registry)
         self.batch_size = Gauge("selfspec_batch_size", "Requests in the batch being run", registry=registry)
+        self.batch_rounds = Counter("selfspec_batch_rounds", "Rounds run with continuous batching (--max-batch > 1)",
+                                    registry=registry)
+        self.batch_rows = Counter("selfspec_batch_rows", "Requests those rounds ran, summed (/ rounds: the mean batch)",
+                                  registry=registry)
         self.kv_cache_bytes = Gauge("selfspec_kv_cache_bytes", "KV cache bytes the running batch holds",
                                     registry=registry)
         self.time_to_first_token = Histogram(

@@ -1,20 +1,22 @@
 """The request queue and its one worker thread.
 
 Requests wait in a bounded queue (full: `QueueFull`, which the HTTP layer
-answers with 429). One worker thread owns the model: at each round boundary
-it takes the next batch (`Scheduler._next_batch`: up to `max_batch` waiting
-requests) and runs it (`Scheduler._run_batch`).
+answers with 429). One worker thread owns the model.
 
-Today `_run_batch` runs its requests one at a time, each a whole
-`spec.generate` call, so `max_batch > 1` only changes how many requests are
-taken off the queue at once, not how many share a forward pass. That pair of
-methods is the seam where batched rounds drop in: `_next_batch` already takes
-requests at a round boundary, and a batched engine would run the batch's
-rounds together, admitting new requests between rounds.
+- `max_batch=1`: the worker runs one request at a time, each a whole
+  `spec.generate` call (every plan feature: layer drafts, heads, trees, the
+  static step).
+- `max_batch=N > 1`: continuous batching. The worker keeps one
+  `spec.batch_session()` (`selfspec/batch.py`): at every round boundary it
+  admits waiting requests while fewer than N run (each joins with its
+  prefill), runs one round for all of them (one forward pass; each row its
+  own n-gram draft, the cost model choosing the batch's draft length), and
+  answers the requests whose rows finished, which leave the batch and free
+  their cache row.
 
 A cancelled request (its client went away) leaves the queue at once; a
-running one stops at its next token (`generation.JobCriteria`), and the worker
-moves on.
+running one stops at its next token (`generation.JobCriteria`), and its row
+leaves the batch.
 """
 
 from __future__ import annotations
@@ -102,6 +104,9 @@ class Scheduler:
     # ------------------------------------------------------------------ the worker
 
     def _work(self) -> None:
+        if self.max_batch > 1:
+            self._work_batched()
+            return
         while True:
             batch = self._next_batch()
             if not batch:
@@ -112,6 +117,55 @@ class Scheduler:
                 with self.condition:
                     self.running = []
                     self.metrics.batch_size.set(0)
+
+    def _work_batched(self) -> None:
+        """Continuous batching: admit at round boundaries, one round for every running request, answer the done."""
+        session = self.engine.session(self.max_batch)
+        rows: dict[object, Job] = {}  # the session's rows and their jobs
+        while True:
+            with self.condition:
+                while not self.queue and not rows and not self.stopping:
+                    self.condition.wait()
+                if self.stopping and not rows:
+                    return
+                joining = [] if self.stopping else [self.queue.popleft()
+                                                    for _ in range(min(self.max_batch - len(rows), len(self.queue)))]
+                self.running = list(rows.values()) + joining
+                self.metrics.queue_depth.set(len(self.queue))
+            for job in joining:
+                if job.cancelled.is_set():
+                    self._count(job, "cancelled")
+                    continue
+                try:
+                    row = self.engine.join(session, job)
+                except Exception as error:  # the request fails (a bad option, say), the batch goes on
+                    self._fail(job, error)
+                    continue
+                if row.done:
+                    self._answer(job, self.engine.finished(job, row))
+                else:
+                    rows[row] = job
+            self.metrics.batch_size.set(len(rows))
+            self.metrics.kv_cache_bytes.set(session.kv_cache_bytes())
+            if not rows:
+                continue
+            self.metrics.batch_rounds.inc()
+            self.metrics.batch_rows.inc(len(rows))
+            try:
+                finished = session.step()
+            except Exception as error:  # a round failed: its requests fail, a fresh batch serves the rest
+                for job in rows.values():
+                    self._fail(job, error)
+                rows.clear()
+                session = self.engine.session(self.max_batch)
+                continue
+            for row in finished:
+                job = rows.pop(row)
+                self._answer(job, self.engine.finished(job, row))
+            with self.condition:
+                self.running = list(rows.values())
+            self.metrics.batch_size.set(len(rows))
+            self.metrics.kv_cache_bytes.set(session.kv_cache_bytes())
 
     def _next_batch(self) -> list[Job]:
         """Wait for requests and take up to `max_batch` of them (a round boundary); [] when stopping."""
@@ -127,7 +181,7 @@ class Scheduler:
             return batch
 
     def _run_batch(self, batch: list[Job]) -> None:
-        """Run a batch. Today: its requests one after another, each to its end."""
+        """Run the taken requests (one, with max_batch=1) one after another, each to its end."""
         for job in batch:
             self._run_one(job)
             with self.condition:
@@ -138,18 +192,25 @@ class Scheduler:
         if job.cancelled.is_set():
             self._count(job, "cancelled")
             return
-        metrics = self.metrics
         try:
-            metrics.kv_cache_bytes.set(self.engine.kv_cache_bytes(job))
+            self.metrics.kv_cache_bytes.set(self.engine.kv_cache_bytes(job))
             result = self.engine.run(job)
         except Exception as error:  # the request fails, the worker goes on
-            if not isinstance(error, ValueError):
-                log.exception("generation failed")
-            self._count(job, "failed")
-            job.send(Failed(error))
+            self._fail(job, error)
             return
         finally:
-            metrics.kv_cache_bytes.set(0)
+            self.metrics.kv_cache_bytes.set(0)
+        self._answer(job, result)
+
+    def _fail(self, job: Job, error: BaseException) -> None:
+        if not isinstance(error, ValueError):
+            log.exception("generation failed", exc_info=error)
+        self._count(job, "failed")
+        job.send(Failed(error))
+
+    def _answer(self, job: Job, result) -> None:
+        """Count a finished job's tokens and latencies, and send its result."""
+        metrics = self.metrics
         metrics.prompt_tokens.inc(result.prompt_tokens)
         metrics.generated_tokens.inc(result.completion_tokens)
         metrics.drafted_tokens.inc(result.drafted)

@@ -1,0 +1,213 @@
+"""Batched generation (`selfspec/batch.py`): every row equals `model.generate` on its prompt alone.
+
+- `generate()` on a left-padded batch, every architecture, float64: row i's
+  new tokens are `model.generate`'s on prompt i alone, then padding as
+  `model.generate` pads a batch (its shape too); plans without drafts,
+  with n-gram drafts (prompts that repeat, so drafts are verified and some
+  rejected), under the cost policy with a flat and a linear profile and on
+  this machine's measured costs;
+- EOS inside a draft, `max_new_tokens` reached inside a draft, stopping
+  criteria and logits processors per row;
+- a session that rows join and leave at round boundaries (continuous
+  batching): each row still equals its prompt alone, whatever joined or
+  left beside it, and the cache's rows move into place;
+- the cost model: a linear profile drafts nothing, a flat one drafts;
+- bad input: right padding, a row of padding only, a streamer with a batch.
+Sampling per row is tested statistically in `test_sampling.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import LogitsProcessorList, NoRepeatNGramLogitsProcessor
+
+import selfspec
+from selfspec.testing import TINY_CONFIGS, random_prompt, tiny_model
+
+ARCHS = sorted(TINY_CONFIGS)
+NGRAM = selfspec.DraftPlan(ngram=2, draft_length=4, policy="fixed")  # n-gram drafts only (no layers)
+NGRAM_LAYERS = selfspec.DraftPlan(ngram=3, layers=(0,), draft_length=5)  # a batch drafts its n-grams only
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def repetitive(length: int, seed: int) -> list[int]:
+    """A prompt that repeats a short random phrase, so n-gram lookups find matches (some right, some not)."""
+    phrase = random_prompt(max(2, length // 3), seed=seed)[0].tolist()
+    return (phrase * 4)[:length]
+
+
+def left_padded(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def alone(model, prompt: list[int], **kwargs) -> list[int]:
+    """`model.generate`'s greedy new tokens after `prompt`, a batch of one."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, **kwargs)
+    return out[0, len(prompt):].tolist()
+
+
+def assert_rows_alone(model, spec, prompts: list[list[int]], **kwargs) -> torch.Tensor:
+    ids, mask = left_padded(prompts)
+    out = spec.generate(ids, attention_mask=mask, **kwargs)
+    with torch.no_grad():
+        batched = model.generate(ids, attention_mask=mask, do_sample=False, **kwargs)
+    assert out.shape == batched.shape, (out.shape, batched.shape)
+    assert torch.equal(out[:, : ids.shape[1]], ids)  # the prompt as given, padding included
+    for i, prompt in enumerate(prompts):
+        ref = alone(model, prompt, **kwargs)
+        new = out[i, ids.shape[1]:].tolist()
+        assert new[: len(ref)] == ref, f"row {i}"
+        # after its end, the row is padded as model.generate pads this batch
+        assert new[len(ref):] == batched[i, ids.shape[1] + len(ref):].tolist(), f"row {i}: padding {new}"
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_batch_rows_equal_each_prompt_alone(arch, data):
+    model = tiny_model(arch, torch.float64)
+    plan = data.draw(st.sampled_from([selfspec.DraftPlan.plain(), NGRAM, NGRAM_LAYERS]), label="plan")
+    costs = data.draw(st.sampled_from([None, "flat", "linear"]), label="costs")
+    spec = selfspec.wrap(model, plan=plan, costs=costs)
+    rows = data.draw(st.integers(2, 4), label="rows")
+    prompts = [repetitive(data.draw(st.integers(2, 20)), seed=data.draw(st.integers(0, 999))) for _ in range(rows)]
+    new = data.draw(st.integers(1, 24), label="max_new_tokens")
+    assert_rows_alone(model, spec, prompts, max_new_tokens=new)
+    stats = spec.last_stats
+    assert len(stats.row_stats) == rows and stats.new_tokens == sum(s.new_tokens for s in stats.row_stats)
+    assert stats.tokens_per_pass >= 1.0 - 1e-9
+
+
+def test_ngram_drafts_are_verified_and_some_rejected():
+    model = tiny_model("llama", torch.float64)
+    spec = selfspec.wrap(model, plan=NGRAM)
+    prompts = [repetitive(18, seed=s) for s in range(4)]
+    assert_rows_alone(model, spec, prompts, max_new_tokens=30)
+    stats = spec.last_stats
+    assert stats.drafted > 0 and 0 < stats.accepted < stats.drafted, (stats.drafted, stats.accepted)
+    assert stats.passes < sum(s.verify_passes for s in stats.row_stats)  # rows shared passes
+    assert stats.mean_batch > 1
+
+
+def test_eos_and_max_new_tokens_inside_a_draft():
+    model = tiny_model("qwen2", torch.float64)
+    spec = selfspec.wrap(model, plan=NGRAM, costs="flat")
+    prompts = [repetitive(15, seed=3), repetitive(9, seed=4), repetitive(4, seed=5)]
+    free = [alone(model, p, max_new_tokens=30, eos_token_id=None) for p in prompts]
+    eos = free[0][7]  # a token the first row emits: its row ends there, possibly inside a draft
+    assert_rows_alone(model, spec, prompts, max_new_tokens=30, eos_token_id=eos)
+    for new in (1, 2, 5, 13):
+        assert_rows_alone(model, spec, prompts, max_new_tokens=new)
+
+
+def test_logits_processors_apply_per_row():
+    model = tiny_model("llama", torch.float64)
+    spec = selfspec.wrap(model, plan=NGRAM, costs="flat")
+    prompts = [repetitive(12, seed=7), repetitive(6, seed=8)]
+    processors = LogitsProcessorList([NoRepeatNGramLogitsProcessor(3)])
+    ids, mask = left_padded(prompts)
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=16, logits_processor=processors)
+    for i, prompt in enumerate(prompts):
+        ref = alone(model, prompt, max_new_tokens=16, logits_processor=processors)
+        assert out[i, ids.shape[1]:].tolist()[: len(ref)] == ref
+
+
+def test_one_left_padded_prompt_runs_as_a_batch_of_one():
+    model = tiny_model("mistral", torch.float64)
+    spec = selfspec.wrap(model, plan=NGRAM)
+    prompt = repetitive(10, seed=1)
+    ids, mask = torch.tensor([[0, 0] + prompt]), torch.tensor([[0, 0] + [1] * 10])
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=8)
+    assert torch.equal(out[:, :12], ids) and out[0, 12:].tolist() == alone(model, prompt, max_new_tokens=8)
+    assert isinstance(spec.last_stats, selfspec.BatchStats)
+
+
+def test_rows_join_and_leave_at_round_boundaries():
+    """Continuous batching: rows added between rounds, of other lengths and limits, each equal to its prompt alone."""
+    model = tiny_model("gemma3_text", torch.float64)  # sliding windows and two rotary kinds
+    spec = selfspec.wrap(model, plan=NGRAM, costs="flat")
+    session = spec.batch_session()
+    plan = [(repetitive(6, 1), 5), (repetitive(17, 2), 40), (repetitive(3, 3), 12), (repetitive(30, 4), 9),
+            (repetitive(11, 5), 25), (repetitive(2, 6), 1)]
+    rows, outputs = {}, {}
+    for i, (prompt, new) in enumerate(plan):
+        rows[i] = session.add(prompt, max_new_tokens=new, do_sample=False)
+        for _ in range(i % 3):  # a few rounds between arrivals; some rows finish meanwhile
+            session.step()
+    while len(session):
+        session.step()
+    assert session.runner is None  # an empty batch holds no cache
+    for i, (prompt, new) in enumerate(plan):
+        outputs[i] = rows[i].new_tokens
+        assert outputs[i] == alone(model, prompt, max_new_tokens=new), f"row {i}"
+    assert session.stats.rounds < sum(len(v) for v in outputs.values())
+
+
+def test_cache_grows_for_a_longer_row():
+    model = tiny_model("llama", torch.float64)
+    spec = selfspec.wrap(model, plan=NGRAM, costs="flat")
+    session = spec.batch_session()
+    short = session.add(repetitive(4, 1), max_new_tokens=3, do_sample=False)
+    capacity = session.runner.cache.capacity
+    long = session.add(repetitive(20, 2), max_new_tokens=60, do_sample=False)
+    assert session.runner.cache.capacity > capacity
+    while len(session):
+        session.step()
+    assert short.new_tokens == alone(model, repetitive(4, 1), max_new_tokens=3)
+    assert long.new_tokens == alone(model, repetitive(20, 2), max_new_tokens=60)
+
+
+def test_cost_model_decides_per_batch():
+    model = tiny_model("llama", torch.float64)
+    prompts = [repetitive(18, seed=s) for s in range(3)]
+    ids, mask = left_padded(prompts)
+    cost_plan = selfspec.DraftPlan(ngram=2, draft_length=4)
+    linear = selfspec.wrap(model, plan=cost_plan, costs="linear")
+    linear.generate(ids, attention_mask=mask, max_new_tokens=20)
+    assert linear.last_stats.drafted == 0  # q tokens cost q steps: no copy pays
+    flat = selfspec.wrap(model, plan=cost_plan, costs="flat")
+    flat.generate(ids, attention_mask=mask, max_new_tokens=20)
+    assert flat.last_stats.drafted > 0
+
+
+def test_measured_batch_costs(tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_COSTS_CACHE", str(tmp_path))
+    model = tiny_model("llama", torch.float32)
+    spec = selfspec.wrap(model, plan=NGRAM_LAYERS)
+    runtime = spec._batch_costs(3, True)
+    table = runtime.table
+    assert table.max_width == NGRAM_LAYERS.draft_length + 1 and "3 rows" in table.machine
+    assert all(b >= a for a, b in zip(table.verify, table.verify[1:]))
+    assert list(tmp_path.glob("*.json"))  # cached on disk
+    assert spec._batch_costs(3, True) is runtime  # and in memory
+
+
+def test_bad_batches_get_clear_errors():
+    model = tiny_model("llama", torch.float64)
+    spec = selfspec.wrap(model, plan=NGRAM)
+    ids = torch.tensor([[5, 6, 7, 0], [5, 6, 7, 8]])
+    with pytest.raises(ValueError, match=r"attention_mask row 0 has padding that is not all on the left.*left"):
+        spec.generate(ids, attention_mask=torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]), max_new_tokens=3)
+    with pytest.raises(ValueError, match=r"attention_mask row 1 has no token"):
+        spec.generate(ids, attention_mask=torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]]), max_new_tokens=3)
+    with pytest.raises(ValueError, match=r"row 1, position 3.*out of range"):
+        spec.generate(torch.tensor([[5, 6, 7, 8], [5, 6, 7, 999]]), max_new_tokens=3)
+    from transformers import TextStreamer
+
+    with pytest.raises(ValueError, match=r"a streamer takes one sequence; this batch has 2"):
+        spec.generate(ids, streamer=TextStreamer(None), max_new_tokens=3)
