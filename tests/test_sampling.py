@@ -22,6 +22,8 @@ What is tested
    head's draft as a tree (its runners-up as branches), and an auto plan
    whose layers are re-chosen every round.
    An engine that always accepts the draft must fail the same check.
+   A batch of two rows of other lengths (n-gram drafts, `batch.py`): each row's
+   first four tokens follow its own exact law; always-accept fails it.
 3. Seeded runs reproduce exactly (explicit generator; global seed).
 4. Plain sampling (draft_length=0) and drafted sampling both run.
 
@@ -39,13 +41,13 @@ c = ln(2 V / DELTA), so each check falsely fails with probability at most
 DELTA = 1e-7, whatever the number of cells. A cell with p_i = 0 that is ever
 observed gives KL = inf: an impossible token fails the check outright.
 
-This file runs CHECKS_IN_FILE = 120 such checks on samples whose law is the
+This file runs CHECKS_IN_FILE = 136 such checks on samples whose law is the
 reference law (test 1: 6 pairs for each of the two implementations of the
 rule, the host one and the device one of the static step, + 4 Markov-chain
 checks + 1 token-tree check + 7 checks that the wrong-rule harnesses produce
 the wrong rules' own exact laws; test 2: 12 cases x 8, three of them on the
-static step), so over random seeds the whole file would falsely fail with
-probability at most 120 * 1e-7 = 1.2e-5. All seeds are fixed, so the outcome is
+static step; + 16 checks of a batch's two rows), so over random seeds the whole
+file would falsely fail with probability at most 136 * 1e-7 = 1.4e-5. All seeds are fixed, so the outcome is
 deterministic anyway.
 
 Power (a wrong sampler must fail): in test 1 a wrong rule is only run on
@@ -83,7 +85,7 @@ from selfspec.testing import make_head, make_vocab
 from selfspec.tree import TokenTree, accept_tree_sampling, accept_tree_sampling_on_device
 
 DELTA = 1e-7  # false-failure probability bound of one `assert_distribution` check
-CHECKS_IN_FILE = 120  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
+CHECKS_IN_FILE = 136  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -583,6 +585,53 @@ def test_end_to_end_check_has_power_on_the_static_step(model, monkeypatch):
     assert totals["accepted"] == totals["drafted"] > 0
     with pytest.raises(AssertionError, match="differs from the exact one"):
         assert_joint_matches(counts, exact, "always-accept static step")
+
+
+# -- 2b. a batch: each row keeps its own target law ------------------------------------------------
+
+BATCH_PLAN = selfspec.DraftPlan(ngram=1, draft_length=3)  # n-gram drafts per row, the cost policy picks k
+
+
+def batch_run_many(spec, n: int, seed: int, prompts: list[torch.Tensor], **sampling) -> tuple[list, dict]:
+    """Counts `[V]*NEW` per row over n batched generations of `prompts` (left-padded), one generator."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.cat([torch.cat([torch.zeros(1, width - p.shape[1], dtype=torch.long), p], dim=1) for p in prompts])
+    mask = torch.tensor([[0] * (width - p.shape[1]) + [1] * p.shape[1] for p in prompts])
+    counts = [torch.zeros((VOCAB,) * NEW, dtype=torch.long) for _ in prompts]
+    totals = dict(drafted=0, accepted=0, recovered=0, bonus=0)
+    for _ in range(n):
+        out = spec.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True, generator=g, **sampling)
+        for row, row_counts in enumerate(counts):
+            row_counts[tuple(out[row, width:].tolist())] += 1
+        for stats in spec.last_stats.row_stats:
+            for key in totals:
+                totals[key] += getattr(stats, key)
+    return counts, totals
+
+
+def test_batched_sampling_keeps_each_rows_law(model):
+    """Two rows of other lengths in one batch (n-gram drafts, flat profile): each row's first 4 tokens follow
+    its own exact law. 16 checks (8 per row) at DELTA = 1e-7, N = 1,000 batches."""
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.9)])
+    prompts = [TREE_PROMPT, PROMPT]
+    spec = selfspec.wrap(model, plan=BATCH_PLAN, costs="flat")
+    counts, totals = batch_run_many(spec, N_E2E, seed=17, prompts=prompts, temperature=0.9)
+    assert totals["drafted"] > 0 and 0 < totals["accepted"] < totals["drafted"] and totals["recovered"] > 0, totals
+    for row, (prompt, row_counts) in enumerate(zip(prompts, counts)):
+        assert_joint_matches(row_counts, exact_joint(model, warpers, NEW, prompt), f"batch row {row}")
+
+
+def test_batched_check_has_power(model, monkeypatch):
+    """A batch that always accepts its rows' drafts must fail the same check (400 batches)."""
+    import selfspec.batch
+
+    monkeypatch.setattr(selfspec.batch, "accept_sampling", always_accept)
+    spec = selfspec.wrap(model, plan=BATCH_PLAN, costs="flat")
+    counts, totals = batch_run_many(spec, 400, seed=17, prompts=[TREE_PROMPT, PROMPT])
+    assert totals["accepted"] == totals["drafted"] > 0
+    with pytest.raises(AssertionError, match="differs from the exact one"):
+        assert_joint_matches(counts[0], exact_joint(model, LogitsProcessorList([]), NEW, TREE_PROMPT), "always")
 
 
 # -- 3. and 4. seeds and plans -------------------------------------------------------------------
