@@ -49,7 +49,7 @@ import selfspec
 from benchmarks.run import busy_warning, load_average, print_header
 from benchmarks.workload import DEFAULT_DATA, Prompt, build_workload, has_chat_template
 from selfspec.costs import cpu_model
-from selfspec.serving.generation import Engine, Job, JobCriteria, JobStreamer, Result, find_stop
+from selfspec.serving.generation import Engine, Job, JobCriteria, JobStreamer, Result
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ("selfspec-plan", "selfspec-plain", "hf-generate")
@@ -75,19 +75,16 @@ class GenerateEngine(Engine):
     it refuses a batch session.
     """
 
-    def session(self):
+    def session(self, max_rows: int):
         raise RuntimeError("GenerateEngine runs one request at a time: serve it with max_batch=1")
 
     def run(self, job: Job) -> Result:
         criteria = JobCriteria(job, self.tokenizer)
         streamer = JobStreamer(job, self.tokenizer, criteria)
-        options: dict = dict(max_new_tokens=job.max_tokens)
-        if job.temperature == 0 or job.top_p == 0:
-            options["do_sample"] = False
-        else:
-            options.update(do_sample=True, temperature=job.temperature, top_p=job.top_p)
-            if job.seed is not None:
-                torch.manual_seed(job.seed)
+        options = self.options(job)
+        generator = options.pop("generator", None)
+        if generator is not None:  # model.generate takes no generator: the global seed does it
+            torch.manual_seed(job.seed)
         model = self.spec.model
         input_ids = torch.tensor([job.prompt], dtype=torch.long, device=self.device)
         pad = model.generation_config.pad_token_id
@@ -97,19 +94,17 @@ class GenerateEngine(Engine):
             output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), pad_token_id=pad,
                                     stopping_criteria=StoppingCriteriaList([criteria]), streamer=streamer, **options)
         new = output[0, len(job.prompt):].tolist()
-        text = self.tokenizer.decode(new)
-        cut = find_stop(text, job.stop) if job.stop else None
-        if cut is not None:
-            text, reason = text[:cut], "stop"
-        elif len(new) >= job.max_tokens and not (new and new[-1] in self.eos):
-            reason = "length"
-        else:
-            reason = "stop"
-        streamer.flush(text)
-        job.finished_at = time.perf_counter()
-        return Result(text=text, finish_reason=reason, prompt_tokens=len(job.prompt), completion_tokens=len(new),
-                      drafted=0, accepted=0, tokens_per_pass=1.0, verify_passes=len(new),
-                      cancelled=job.cancelled.is_set())
+        return self.result(job, new, PlainStats(verify_passes=len(new)), streamer)
+
+
+@dataclass
+class PlainStats:
+    """What `model.generate` reports in `Result`'s terms: no drafts, one token per pass."""
+
+    verify_passes: int
+    drafted: int = 0
+    accepted: int = 0
+    tokens_per_pass: float = 1.0
 
 
 # --------------------------------------------------------------------------- arithmetic (pure)

@@ -48,7 +48,7 @@ from .acceptance import accept_greedy, accept_sampling
 from .costs import PassCosts, RuntimeCosts, interpolate, machine_description
 from .draft import Draft
 from .hf_generation import GenerationSettings
-from .ngram import longest_match
+from .ngram import NgramIndex
 from .output import Clock, Output
 from .parts import ModelParts, soft_cap
 from .plan import DraftPlan
@@ -178,7 +178,8 @@ class BatchRunner(LayerRunner):
                 allowed = keys[None, None] <= slots[:, :, None]  # [r, q, span]
                 if window is not None:
                     allowed &= keys[None, None] > slots[:, :, None] - window
-                masks[window] = self.row_mask(allowed)
+                # One row at one position sees every key of its span: no mask (the kernel one-token steps use).
+                masks[window] = None if r == 1 and q == 1 and window is None else self.row_mask(allowed)
             hidden = self.call(self.layers[i], hidden, mask=masks[window],
                                position_embeddings=rotary.get(self.rotary_kinds[i]), position_ids=slots, cache=cache)
         for j, start in enumerate(starts):
@@ -233,6 +234,7 @@ class BatchRow:
     scorer: Scorer
     acceptance: AcceptanceEstimates
     prompt_length: int
+    ngrams: NgramIndex | None = None  # its n-gram lookup, kept up to date as it grows
     stats: GenerationStats = field(default_factory=GenerationStats)
     began: float = field(default_factory=time.perf_counter)
 
@@ -298,7 +300,8 @@ class BatchSession:
             self.runner = BatchRunner(self.parts, capacity=capacity)
         self.runner.grow(capacity)
         row = BatchRow(Output(prompt, settings, streamer), Scorer(settings, generator),
-                       AcceptanceEstimates(prior=self.pooled.estimate(self.prior, POOLED_WEIGHT)), len(prompt))
+                       AcceptanceEstimates(prior=self.pooled.estimate(self.prior, POOLED_WEIGHT)), len(prompt),
+                       NgramIndex(self.ngram) if self.ngram else None)
         if streamer is not None:
             streamer.put(torch.tensor(prompt))
         clock = Clock(self.parts.device)
@@ -379,7 +382,7 @@ class BatchSession:
         budget = min(self.max_draft, row.out.remaining - 1)
         if not self.ngram or budget < 1:
             return [], 0
-        return longest_match(row.out.tokens, max_ngram=self.ngram, budget=budget)
+        return row.ngrams.match(row.out.tokens, budget=budget)
 
     def _draft_length(self, costs: RuntimeCosts, proposals: list[tuple[list[int], int]]) -> int:
         """The common cut k of the rows' proposals that maximises expected emitted tokens per second.

@@ -52,3 +52,33 @@ def continuations(tokens: list[int], *, max_ngram: int, budget: int, branches: i
         if found:
             return found, n
     return [], 0
+
+
+class NgramIndex:
+    """`longest_match` for a sequence that only grows, in O(max_ngram) per token instead of a scan.
+
+    For every n <= max_ngram it maps each n-gram to the latest start at which
+    it occurred, over the n-grams that end before the last token (so the
+    suffix itself is never its own match). `match(tokens)` indexes what was
+    appended since the last call, then looks the suffixes up, longest first:
+    the same tokens and match length as `longest_match(tokens, ...)`.
+    """
+
+    def __init__(self, max_ngram: int) -> None:
+        self.max_ngram = max_ngram
+        self.latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram + 1)]  # by n
+        self.indexed = 0  # n-grams ending at positions < indexed are in the tables
+
+    def match(self, tokens: list[int], *, budget: int) -> tuple[list[int], int]:
+        if budget < 1:
+            return [], 0
+        length = len(tokens)
+        for end in range(self.indexed, length - 1):  # the n-grams ending at `end`, for every n
+            for n in range(1, min(self.max_ngram, end + 1) + 1):
+                self.latest[n][tuple(tokens[end + 1 - n : end + 1])] = end + 1 - n
+        self.indexed = max(self.indexed, length - 1)
+        for n in range(min(self.max_ngram, length - 1), 0, -1):
+            start = self.latest[n].get(tuple(tokens[length - n :]))
+            if start is not None:
+                return tokens[start + n : start + n + budget], n
+        return [], 0

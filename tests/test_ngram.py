@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import selfspec
 from plan_strategies import assert_same
-from selfspec.ngram import lookup
+from selfspec.ngram import NgramIndex, longest_match, lookup
 from selfspec.testing import random_prompt, tiny_model
 
 
@@ -54,3 +56,14 @@ def test_ngram_plan_round_trips_and_validates(tmp_path):
     assert selfspec.DraftPlan.load(tmp_path / "p.json") == plan
     with pytest.raises(ValueError, match=r"ngram=17 out of range \(valid: 0..16\)"):
         selfspec.DraftPlan(ngram=17, exit_layer=2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 4), min_size=1, max_size=60), max_ngram=st.integers(1, 4),
+       budget=st.integers(0, 6), stride=st.integers(1, 7))
+def test_ngram_index_equals_longest_match_as_a_sequence_grows(tokens, max_ngram, budget, stride):
+    """The incremental index (batches) answers exactly what the scan answers, at every length it is asked at."""
+    index = NgramIndex(max_ngram)
+    for length in [*range(1, len(tokens), stride), len(tokens)]:
+        assert index.match(tokens[:length], budget=budget) == longest_match(tokens[:length], max_ngram=max_ngram,
+                                                                           budget=budget)

@@ -104,7 +104,7 @@ def test_interleave_takes_categories_in_turn_and_levels_parse():
 def test_generate_engine_refuses_a_batch():
     engine = serve_load.GenerateEngine(selfspec.wrap(tiny_model("llama"), plan=PLAN), Tokenizer(tiny_tokenizer()))
     with pytest.raises(RuntimeError, match="max_batch=1"):
-        engine.session()
+        engine.session(2)
 
 
 def test_a_small_run_serves_three_ways_and_reports_every_level():
