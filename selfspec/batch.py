@@ -2,8 +2,11 @@
 
 A `BatchSession` holds the sequences that decode together. Each is a
 `BatchRow`: its tokens and stopping rules (`output.Output`), its scorer (its
-own logits processors, sampling settings and generator), its acceptance
-estimates and its stats. A row joins with `add` (its prompt's prefill, one pass
+own logits processors, sampling settings and generator) and its stats; the
+n-gram acceptance estimates are the session's, learned from every row's
+rounds (by match length and position, as the single-sequence cost policy
+learns them), so a batch learns its traffic eight times as fast and a
+joining row starts from what the others taught. A row joins with `add` (its prompt's prefill, one pass
 of its own) and leaves when it is done; `step` runs one round for every row:
 
 1. draft: each row's n-gram proposal (prompt lookup over its own tokens);
@@ -52,14 +55,12 @@ from .ngram import NgramIndex
 from .output import Clock, Output
 from .parts import ModelParts, soft_cap
 from .plan import DraftPlan
-from .policy import AcceptanceEstimates, Rate
+from .policy import AcceptanceEstimates
 from .runner import LayerRunner
 from .scoring import Scorer
 from .stats import BatchStats, GenerationStats
 
 MEASURE_CONTEXT = 48  # tokens each row holds while a batched pass is timed
-POOLED_DECAY = 0.995  # per drafted round: the session's pooled n-gram acceptance follows its traffic slowly
-POOLED_WEIGHT = 4.0  # pseudo-observations of the plan's prior behind the pooled estimate
 
 
 class BatchedKVCache:
@@ -232,7 +233,6 @@ class BatchRow:
 
     out: Output
     scorer: Scorer
-    acceptance: AcceptanceEstimates
     prompt_length: int
     ngrams: NgramIndex | None = None  # its n-gram lookup, kept up to date as it grows
     stats: GenerationStats = field(default_factory=GenerationStats)
@@ -260,10 +260,7 @@ class BatchSession:
         self.parts = parts
         self.ngram = plan.ngram
         self.max_draft = plan.draft_length if plan.ngram else 0
-        self.prior = plan.target_acceptance
-        # Every row's n-gram outcomes, pooled (slowly decayed): a joining row starts from what this session's
-        # rows accepted, not from the plan's prior alone (a server learns its traffic once, not per request).
-        self.pooled = Rate()
+        self.acceptance = AcceptanceEstimates(prior=plan.target_acceptance)  # every row's n-gram outcomes
         self.settings_for = settings_for
         self.costs_for = costs_for
         self.check_context = check_context
@@ -299,8 +296,7 @@ class BatchSession:
         if self.runner is None:
             self.runner = BatchRunner(self.parts, capacity=capacity)
         self.runner.grow(capacity)
-        row = BatchRow(Output(prompt, settings, streamer), Scorer(settings, generator),
-                       AcceptanceEstimates(prior=self.pooled.estimate(self.prior, POOLED_WEIGHT)), len(prompt),
+        row = BatchRow(Output(prompt, settings, streamer), Scorer(settings, generator), len(prompt),
                        NgramIndex(self.ngram) if self.ngram else None)
         if streamer is not None:
             streamer.put(torch.tensor(prompt))
@@ -348,6 +344,7 @@ class BatchSession:
             costs.observe_verify(width, 0, verify_seconds)
             self.stats.costs = costs.table.summary()
         finished = []
+        self.acceptance.decay()  # once per round: old evidence fades
         for i, (row, draft, (_, match_length)) in enumerate(zip(self.rows, drafts, proposals)):
             # 4. accept, with the row's own scores
             scores = row.scorer.scores(logits[i, : len(draft) + 1], row.out.tokens + draft, len(row.out.tokens))
@@ -362,13 +359,9 @@ class BatchSession:
             row.out.emit(draft[: verdict.accepted] + [verdict.next_token])
             row.stats.record_round(drafted=len(draft), accepted=verdict.accepted, draft_seconds=draft_seconds / n,
                                    verify_seconds=verify_seconds / n, source="ngram" if draft else "layers")
-            row.acceptance.decay()
             if draft:
-                row.acceptance.observe(Draft(draft, None, [], source="ngram", match_length=match_length),
-                                       verdict.accepted)
-                self.pooled.decay(POOLED_DECAY)
-                for j in range(min(len(draft), verdict.accepted + 1)):
-                    self.pooled.add(j < verdict.accepted)
+                self.acceptance.observe(Draft(draft, None, [], source="ngram", match_length=match_length),
+                                        verdict.accepted)
             if row.done:
                 finished.append(row)
         self.stats.passes += 1
@@ -394,8 +387,7 @@ class BatchSession:
         longest = max(len(tokens) for tokens, _ in proposals)
         if not longest:
             return 0
-        odds = [[row.acceptance.ngram_token(match, j + 1) for j in range(len(tokens))]
-                for row, (tokens, match) in zip(self.rows, proposals)]
+        odds = [[self.acceptance.ngram_token(match, j + 1) for j in range(len(tokens))] for tokens, match in proposals]
         reach = [1.0] * len(odds)
         expected = float(len(odds))
         best_k, best_rate = 0, expected / costs.verify(1)
@@ -421,7 +413,7 @@ class BatchSession:
                 row.out.streamer.end()
             row.stats.new_tokens = len(row.new_tokens)
             row.stats.total_seconds = time.perf_counter() - row.began
-            row.stats.policy = f"batch cost (acceptance {row.acceptance.summary()})" if self.ngram else "plain"
+            row.stats.policy = f"batch cost (acceptance {self.acceptance.summary()})" if self.ngram else "plain"
             self.stats.row_stats.append(row.stats)
         if not self.rows:
             self.runner = None  # an empty batch holds no cache; the next row allocates anew
