@@ -80,8 +80,8 @@ def test_bad_generate_arguments():
     prompt = random_prompt(5)
     with pytest.raises(ValueError, match=r"max_new_tokens=0 out of range \(valid: >= 1\)"):
         spec.generate(prompt, max_new_tokens=0)
-    with pytest.raises(ValueError, match=r"batch size 2 is not supported yet \(valid: 1\)"):
-        spec.generate(prompt.repeat(2, 1), max_new_tokens=5)
+    with pytest.raises(ValueError, match=r"attention_mask row 1 has padding that is not all on the left"):
+        spec.generate(prompt.repeat(2, 1), attention_mask=torch.tensor([[1] * 5, [1, 1, 1, 1, 0]]), max_new_tokens=5)
     long_prompt = random_prompt(300)  # the tiny model's context is 256
     with pytest.raises(ValueError, match=r"prompt of 300 tokens is longer than the model's context .*valid prompt length: 1..255"):
         spec.generate(long_prompt, max_new_tokens=5)
@@ -90,7 +90,7 @@ def test_bad_generate_arguments():
     with pytest.raises(ValueError, match="num_beams=2 is not supported"):
         spec.generate(prompt, max_new_tokens=5, num_beams=2)
     with pytest.raises(ValueError, match="padding"):
-        spec.generate(prompt, attention_mask=torch.tensor([[0, 1, 1, 1, 1]]), max_new_tokens=5)
+        spec.generate(prompt, attention_mask=torch.tensor([[1, 1, 0, 1, 1]]), max_new_tokens=5)
 
 
 def test_unsupported_architecture_lists_supported_ones_and_how_to_add():
