@@ -32,14 +32,6 @@ NGRAM = selfspec.DraftPlan(ngram=2, draft_length=4, policy="fixed")  # n-gram dr
 NGRAM_LAYERS = selfspec.DraftPlan(ngram=3, layers=(0,), draft_length=5)  # a batch drafts its n-grams only
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def repetitive(length: int, seed: int) -> list[int]:
     """A prompt that repeats a short random phrase, so n-gram lookups find matches (some right, some not)."""
     phrase = random_prompt(max(2, length // 3), seed=seed)[0].tolist()
