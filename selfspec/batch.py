@@ -1,4 +1,4 @@
-"""Batched generation: several sequences, each with its own draft and acceptance, over one cache of rows.
+"""Batched generation: several sequences, each with its own draft and acceptance rule, over one cache of rows.
 
 A `BatchSession` holds the sequences that decode together. Each is a
 `BatchRow`: its tokens and stopping rules (`output.Output`), its scorer (its
@@ -11,8 +11,8 @@ of its own) and leaves when it is done; `step` runs one round for every row:
 
 1. draft: each row's n-gram proposal (prompt lookup over its own tokens);
 2. choose: one verify width for the batch, the one that maximises the
-   batch's expected emitted tokens per second, from each row's learned
-   acceptance and the measured cost of a pass over (rows, width): the cost
+   batch's expected emitted tokens per second, from the session's learned
+   n-gram acceptance and the measured cost of a pass over (rows, width): the cost
    model decides per batch, and width 1 is a plain step for every row;
 3. verify: one pass of the full model over `[rows, width]`, row i holding
    its last token and its draft, padded;
