@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptance import accept_greedy, accept_sampling
-from .costs import PassCosts, RuntimeCosts, interpolate, machine_description
+from .costs import PassCosts, RuntimeCosts, fastest, interpolate, machine_description
 from .draft import Draft
 from .hf_generation import GenerationSettings
 from .ngram import NgramIndex
@@ -156,11 +156,12 @@ class BatchRunner(LayerRunner):
             self.positions = torch.arange(self.cache.capacity, device=self.positions.device)[None]  # [1, capacity]
             self.rotary = self.rotary_tables(self.positions)
 
-    def forward_rows(self, ids: torch.Tensor, starts: list[int], rows: slice) -> torch.Tensor:
+    def forward_rows(self, ids: torch.Tensor, starts: list[int], rows: slice, *, last: bool = False) -> torch.Tensor:
         """Float32 logits `[r, q, vocab]` of the full model over `ids` `[r, q]`; row j's tokens at starts[j]..
 
         Each row must hold exactly `starts[j]` valid entries; after the pass it
-        holds starts[j] + q (the caller crops to what it keeps).
+        holds starts[j] + q (the caller crops to what it keeps). `last`: the
+        logits of the last position only, `[r, 1, vocab]` (a prefill).
         """
         r, q = ids.shape
         device = self.positions.device
@@ -185,6 +186,8 @@ class BatchRunner(LayerRunner):
                                position_embeddings=rotary.get(self.rotary_kinds[i]), position_ids=slots, cache=cache)
         for j, start in enumerate(starts):
             cache.lengths[rows.start + j] = start + q
+        if last:
+            hidden = hidden[:, -1:]
         return soft_cap(self.parts.lm_head(self.parts.norm(hidden)), self.parts.logit_softcap).float()
 
     def row_mask(self, allowed: torch.Tensor) -> torch.Tensor:
@@ -198,10 +201,9 @@ class BatchRunner(LayerRunner):
 def measure_batch_costs(parts: ModelParts, *, rows: int, max_width: int, repeats: int = 2) -> PassCosts:
     """Seconds of a full pass over `[rows, q]` for q = 1, 2, 4, 8, ... `max_width` (others interpolated).
 
-    Timed on a scratch cache with `MEASURE_CONTEXT` entries per row; each
-    figure is the minimum of `repeats` runs after a warm-up, widths
-    interleaved (on a shared machine the minimum is the cost, the rest is
-    other load). `draft_step` is 0: a batch drafts no layers.
+    Timed on a scratch cache with `MEASURE_CONTEXT` entries per row, as
+    `costs.fastest` times (the minimum of `repeats` interleaved runs).
+    `draft_step` is 0: a batch drafts no layers.
     """
     began = time.perf_counter()
     runner = BatchRunner(parts, capacity=MEASURE_CONTEXT + max_width)
@@ -211,17 +213,14 @@ def measure_batch_costs(parts: ModelParts, *, rows: int, max_width: int, repeats
     device = runner.positions.device
     ids = torch.randint(0, parts.vocab_size, (rows, MEASURE_CONTEXT + max_width), generator=generator).to(device)
     everyone = slice(0, rows)
-    runner.forward_rows(ids[:, :MEASURE_CONTEXT], [0] * rows, everyone)
+    runner.forward_rows(ids[:, :MEASURE_CONTEXT], [0] * rows, everyone, last=True)
     widths = sorted({q for q in (1, 2, 4, 8, 16, 32) if q < max_width} | {max_width})
-    best = {q: float("inf") for q in widths}
-    clock = Clock(device)
-    for i in range(repeats + 1):  # round 0 warms up
-        for q in widths:
-            clock.lap()
-            runner.forward_rows(ids[:, MEASURE_CONTEXT : MEASURE_CONTEXT + q], [MEASURE_CONTEXT] * rows, everyone)
-            seconds = clock.lap()
-            if i:
-                best[q] = min(best[q], seconds)
+
+    def full_pass(q: int) -> Callable[[], None]:
+        return lambda: runner.forward_rows(ids[:, MEASURE_CONTEXT : MEASURE_CONTEXT + q], [MEASURE_CONTEXT] * rows,
+                                           everyone)
+
+    best = fastest({q: full_pass(q) for q in widths}, repeats=repeats, device=device)
     return PassCosts(interpolate(best, max_width), 0.0, parts.num_layers,
                      machine=f"{machine_description(device)}, {rows} rows",
                      measure_seconds=time.perf_counter() - began)
@@ -303,7 +302,7 @@ class BatchSession:
         clock = Clock(self.parts.device)
         index = self.runner.cache.add_row()
         ids = torch.tensor([prompt], device=self.runner.positions.device)  # [1, prompt]
-        logits = self.runner.forward_rows(ids, [0], slice(index, index + 1))[:, -1]  # [1, vocab]
+        logits = self.runner.forward_rows(ids, [0], slice(index, index + 1), last=True)[:, -1]  # [1, vocab]
         scores = row.scorer.scores(logits, row.out.tokens, len(row.out.tokens))
         row.out.emit([row.scorer.target_choice(scores)])
         row.stats.verify_passes += 1

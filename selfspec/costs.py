@@ -181,16 +181,7 @@ def measure_pass_costs(
     tasks: dict[Any, Callable[[], None]] = {q: full_pass(q) for q in widths}
     if draft_step is not None:
         tasks["draft"] = lambda: draft_step(runner, context)
-    best = {name: float("inf") for name in tasks}
-    for i in range(repeats + 1):  # round 0 warms up; the rounds interleave every task, so load hits all alike
-        for name, fn in tasks.items():
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            if i:
-                best[name] = min(best[name], time.perf_counter() - start)
-            runner.cache.crop(context)
+    best = fastest(tasks, repeats=repeats, device=device, after=lambda: runner.cache.crop(context))
     verify = interpolate({q: best[q] for q in widths}, max_width, step_up=bucketed)
     step = best.get("draft", 0.0)
     return PassCosts(
@@ -200,6 +191,27 @@ def measure_pass_costs(
         machine=machine_description(device),
         measure_seconds=time.perf_counter() - began,
     )
+
+
+def fastest(tasks: dict[Any, Callable[[], None]], *, repeats: int, device: torch.device,
+            after: Callable[[], None] | None = None) -> dict[Any, float]:
+    """Each task's fastest of `repeats` timed runs, after one warm-up round; `after` runs after every task.
+
+    The rounds interleave every task, so other load on the machine hits all
+    alike; the minimum is the cost, the rest is that load.
+    """
+    best = {name: float("inf") for name in tasks}
+    for i in range(repeats + 1):  # round 0 warms up
+        for name, fn in tasks.items():
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            if i:
+                best[name] = min(best[name], time.perf_counter() - start)
+            if after is not None:
+                after()
+    return best
 
 
 def interpolate(measured: dict[int, float], max_width: int, *, step_up: bool = False) -> tuple[float, ...]:

@@ -98,7 +98,6 @@ class Job:
     first_token_at: float | None = None
     finished_at: float | None = None
     outcome: str | None = None  # how it ended, as counted: "completed", "cancelled" or "failed"
-    streamer: object = None  # its JobStreamer, while it runs in a batch
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -239,14 +238,12 @@ class Engine:
         """Add `job` to `session` as a new row (its prefill and first token); returns the row."""
         criteria = JobCriteria(job, self.tokenizer)
         streamer = JobStreamer(job, self.tokenizer, criteria)
-        row = session.add(job.prompt, stopping_criteria=StoppingCriteriaList([criteria]), streamer=streamer,
-                          **self.options(job))
-        job.streamer = streamer
-        return row
+        return session.add(job.prompt, stopping_criteria=StoppingCriteriaList([criteria]), streamer=streamer,
+                           **self.options(job))
 
     def finished(self, job: Job, row) -> Result:
         """The result of a job whose row left its batch."""
-        return self.result(job, row.new_tokens, row.stats, job.streamer)
+        return self.result(job, row.new_tokens, row.stats, row.out.streamer)
 
     def result(self, job: Job, new: list[int], stats, streamer: "JobStreamer") -> Result:
         """The job's text (cut at a stop string), why it ended, and its counts; the stream's last delta is sent."""
