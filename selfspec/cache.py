@@ -56,6 +56,15 @@ class SharedKVCache:
             if self.lengths[i] > length:
                 self.lengths[i] = length
 
+    def fill_zeros(self, length: int) -> None:
+        """Every layer holds `length` entries, all zeros (for timing a pass at a long context without a
+        prefill: attention costs by the entries' count, not their values). Layers must have been written."""
+        if length > self.capacity or any(k is None for k in self.keys):
+            raise ValueError(f"fill_zeros({length}) needs every layer written and length <= capacity {self.capacity}")
+        for buffer in (*self.keys, *self.values):
+            buffer.zero_()
+        self.lengths = [length] * len(self.lengths)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.lengths[layer_idx]
 

@@ -7,14 +7,20 @@ CPU in bfloat16 it costs almost 4. So nothing here is assumed:
 - `PassCosts` is a cost table in seconds: a full pass over q new tokens
   (q = 1 is a plain decoding step) for every width a round can verify, and
   one drafted token through the plan's layers (exit head and draft
-  vocabulary included). `measure_pass_costs` times them in a fraction of a
-  second; `load_or_measure` keeps the result on disk, keyed by the model, the
-  plan's draft, dtype, device, thread count and the processor.
+  vocabulary included), each timed at two contexts (48 and 1,024 entries in
+  the cache) and taken as linear in the context between and beyond them:
+  attention reads every entry, and how much a wider pass costs depends on
+  how many there are (on one CPU, 8 rows at 1,334 entries: a pass over 2
+  tokens cost 1.9 plain steps where the short context said 1.2).
+  `measure_pass_costs` times them in a second or two; `load_or_measure`
+  keeps the result on disk, keyed by the model, the plan's draft, dtype,
+  device, thread count and the processor.
 - `PassCosts.profile("linear" | "flat", ...)` builds a table by rule, for
   tests and for asking "what would this machine do on another kind".
-- `RuntimeCosts` is what a generation uses: the table, scaled by what the
-  rounds actually measure (every round times its draft and its verify pass),
-  so a busy machine, a long context or a cold start is learned, not ignored.
+- `RuntimeCosts` is what a generation uses: the table at the round's
+  context, scaled by what the rounds actually measure (every round times its
+  draft and its verify pass), so a busy machine or a cold start is learned,
+  not ignored.
   After a greedy generation the refined table replaces the cached one, so a
   table first measured on a busy machine does not outlive the load.
 
@@ -41,8 +47,17 @@ import torch
 
 from .loading import default_cache_dir
 
-COSTS_FORMAT = "selfspec.costs/1"
+COSTS_FORMAT = "selfspec.costs/2"
 MEASURE_CONTEXT = 48  # tokens already in the cache while timing
+LONG_CONTEXT = 1024  # ... and a second time: how a pass's cost grows with the context
+
+
+def long_context(max_positions: int | None, max_width: int) -> int:
+    """The second context passes are timed at: `LONG_CONTEXT`, or less where learned positions end sooner
+    (at most `MEASURE_CONTEXT`: then only the first is timed)."""
+    if max_positions is None:
+        return LONG_CONTEXT
+    return max(MEASURE_CONTEXT, min(LONG_CONTEXT, max_positions - max_width - 1))
 FLAT_UP_TO = 16  # the "flat" profile: a pass over up to this many tokens costs one step
 
 
@@ -56,12 +71,20 @@ class PassCosts:
     machine: str = ""
     source: str = "measured"  # "measured", "cached" (measured earlier on this machine), or a profile name
     measure_seconds: float = 0.0  # wall time the measurement took
+    context: int = MEASURE_CONTEXT  # entries in the cache when `verify` and `draft_step` were timed
+    verify_long: tuple[float, ...] = ()  # the same widths timed at `long_context` entries (empty: not timed)
+    draft_long: float = 0.0  # the draft step at `long_context` entries
+    long_context: int = 0
 
     def __post_init__(self) -> None:
         if not self.verify or any(not (t > 0) for t in self.verify):
             raise ValueError(f"verify costs must be positive seconds for widths 1.., got {self.verify}")
-        if self.draft_step < 0:
-            raise ValueError(f"draft_step must be >= 0 seconds, got {self.draft_step}")
+        if self.draft_step < 0 or self.draft_long < 0:
+            raise ValueError(f"draft steps must be >= 0 seconds, got {self.draft_step} and {self.draft_long}")
+        if self.verify_long and (len(self.verify_long) != len(self.verify) or any(not (t > 0) for t in self.verify_long)
+                                 or self.long_context <= self.context):
+            raise ValueError(f"verify_long must be positive seconds for the same {len(self.verify)} widths, timed at "
+                             f"long_context > context ({self.context}); got {self.verify_long} at {self.long_context}")
 
     @property
     def max_width(self) -> int:
@@ -72,12 +95,29 @@ class PassCosts:
         """One plain decoding step, in seconds."""
         return self.verify[0]
 
-    def verify_seconds(self, width: int, exact_prefix: int = 0) -> float:
-        """A verify pass over `width` tokens whose first `exact_prefix` layers already ran for all but one."""
-        full = self.verify[min(width, self.max_width) - 1]
+    def verify_seconds(self, width: int, exact_prefix: int = 0, context: int | None = None) -> float:
+        """A verify pass over `width` tokens whose first `exact_prefix` layers already ran for all but one,
+        with `context` entries in the cache (None: the table's own `context`)."""
+        full = self._full(width, context)
         if width <= 1 or not exact_prefix:
             return full
-        return full - (exact_prefix / self.num_layers) * (full - self.step)  # those layers see one token
+        return full - (exact_prefix / self.num_layers) * (full - self._full(1, context))  # those layers see one token
+
+    def draft_seconds(self, context: int | None = None) -> float:
+        """One drafted token with `context` entries in the cache (0.0: the plan drafts no layers)."""
+        return self._at(self.draft_step, self.draft_long, context)
+
+    def _full(self, width: int, context: int | None) -> float:
+        i = min(width, self.max_width) - 1
+        return self._at(self.verify[i], self.verify_long[i] if self.verify_long else 0.0, context)
+
+    def _at(self, short: float, long: float, context: int | None) -> float:
+        """A time measured at `self.context` and `self.long_context` entries, at `context` entries: linear in
+        the context, extended past the longer measurement, never below the shorter one."""
+        if context is None or not self.verify_long or context <= self.context or not short:
+            return short
+        slope = (long - short) / (self.long_context - self.context)
+        return max(short, short + slope * (context - self.context))
 
     @classmethod
     def profile(
@@ -94,17 +134,25 @@ class PassCosts:
 
     def relative(self) -> dict[str, Any]:
         """The table in units of one plain step."""
-        return {
+        relative = {
             "verify": [round(t / self.step, 3) for t in self.verify],
             "draft_step": round(self.draft_step / self.step, 3),
         }
+        if self.verify_long:
+            relative[f"verify at {self.long_context}"] = [round(t / self.step, 3) for t in self.verify_long]
+            relative[f"draft_step at {self.long_context}"] = round(self.draft_long / self.step, 3)
+        return relative
 
     def summary(self) -> str:
         widths = sorted({1, 2, 4, 8, 16, self.max_width} & set(range(1, self.max_width + 1)))
         verify = ", ".join(f"{q}: {self.verify[q - 1] / self.step:.2f}" for q in widths)
         draft = f"draft step {self.draft_step / self.step:.3f}" if self.draft_step else "no layer draft"
+        long = ""
+        if self.verify_long:
+            at = ", ".join(f"{q}: {self.verify_long[q - 1] / self.step:.2f}" for q in widths)
+            long = f"; at {self.long_context} entries: verify {{{at}}}"
         return (
-            f"plain step {self.step * 1e3:.2f} ms; in plain steps: verify of q tokens {{{verify}}}, {draft} "
+            f"plain step {self.step * 1e3:.2f} ms; in plain steps: verify of q tokens {{{verify}}}, {draft}{long} "
             f"[{self.source}; {self.machine}]"
         )
 
@@ -118,6 +166,7 @@ class PassCosts:
         fields = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in data.items() if k in fields}
         values["verify"] = tuple(float(t) for t in values["verify"])
+        values["verify_long"] = tuple(float(t) for t in values.get("verify_long", ()))
         return cls(**values)
 
 
@@ -148,6 +197,7 @@ def measure_pass_costs(
     max_width: int,
     repeats: int = 2,
     bucketed: bool = False,
+    max_positions: int | None = None,
 ) -> PassCosts:
     """Time full passes over 1, 2, 4, 8, ... and `max_width` tokens, and one draft step.
 
@@ -157,39 +207,51 @@ def measure_pass_costs(
 
     `runner_for(capacity)` makes a `LayerRunner` on the shared-cache layout;
     `draft_step(runner, position)` runs one drafted token at `position` (it may
-    write cache entries; they are cropped after). Widths between the measured
-    ones are interpolated linearly. Each timing is the minimum of `repeats`
-    runs after one warm-up round, all tasks interleaved: on a shared machine
-    the minimum is the cost, the rest is other load. The rounds refine it later.
+    write cache entries; they are cropped after). Everything is timed twice:
+    after a prefill of `MEASURE_CONTEXT` tokens, and with `long_context(...)`
+    entries (zeros: no prefill needed, attention costs the same; a model
+    whose learned positions end before it is timed once). Each timing
+    is the minimum of `repeats` runs after one warm-up round, all tasks
+    interleaved: on a shared machine the minimum is the cost, the rest is
+    other load. The rounds refine it later.
     """
     began = time.perf_counter()
-    context = MEASURE_CONTEXT
-    runner = runner_for(context + max_width + 1)
+    context, long = MEASURE_CONTEXT, long_context(max_positions, max_width)
+    runner = runner_for(long + max_width + 1)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab_size, (context + max_width,), generator=generator).tolist()
     runner.run(runner.embed(ids[:context], 0), range(len(runner.layers)), 0)
     device = runner.positions.device
-
-    def full_pass(q: int) -> Callable[[], None]:
-        def run() -> None:
-            hidden = runner.run(runner.embed(ids[context : context + q], context), range(num_layers), context)
-            runner.logits(hidden)
-
-        return run
-
     widths = sorted({q for q in (1, 2, 4, 8, 16, 32, 64) if q < max_width} | {max_width})
-    tasks: dict[Any, Callable[[], None]] = {q: full_pass(q) for q in widths}
-    if draft_step is not None:
-        tasks["draft"] = lambda: draft_step(runner, context)
-    best = fastest(tasks, repeats=repeats, device=device, after=lambda: runner.cache.crop(context))
-    verify = interpolate({q: best[q] for q in widths}, max_width, step_up=bucketed)
-    step = best.get("draft", 0.0)
+
+    def timed_at(position: int) -> dict[Any, float]:
+        def full_pass(q: int) -> Callable[[], None]:
+            def run() -> None:
+                hidden = runner.run(runner.embed(ids[context : context + q], position), range(num_layers), position)
+                runner.logits(hidden)
+
+            return run
+
+        tasks: dict[Any, Callable[[], None]] = {q: full_pass(q) for q in widths}
+        if draft_step is not None:
+            tasks["draft"] = lambda: draft_step(runner, position)
+        return fastest(tasks, repeats=repeats, device=device, after=lambda: runner.cache.crop(position))
+
+    short = timed_at(context)
+    at_long: dict[Any, float] = {}
+    if long > context:
+        runner.cache.fill_zeros(long)
+        at_long = timed_at(long)
     return PassCosts(
-        verify,
-        step,
+        interpolate({q: short[q] for q in widths}, max_width, step_up=bucketed),
+        short.get("draft", 0.0),
         num_layers,
         machine=machine_description(device),
         measure_seconds=time.perf_counter() - began,
+        context=context,
+        verify_long=interpolate({q: at_long[q] for q in widths}, max_width, step_up=bucketed) if at_long else (),
+        draft_long=at_long.get("draft", 0.0),
+        long_context=long if at_long else 0,
     )
 
 
@@ -295,6 +357,7 @@ class RuntimeCosts:
     def __init__(self, table: PassCosts, *, learn: bool = True) -> None:
         self.table = table
         self.learn = learn
+        self.context: int | None = None  # entries in the cache this round (the decode loop sets it)
         self.seen: dict[int, deque[float]] = {}  # width -> recent ratios
         self.seen_all: deque[float] = deque(maxlen=3 * self.WINDOW)
         self.seen_draft: deque[float] = deque(maxlen=self.WINDOW)
@@ -303,23 +366,33 @@ class RuntimeCosts:
         self.draft_ratio = 1.0
 
     def verify(self, width: int, exact_prefix: int = 0) -> float:
-        return self.table.verify_seconds(width, exact_prefix) * self.ratios.get(width, self.overall_ratio)
+        """A verify pass over `width` tokens at this round's context."""
+        return self.table.verify_seconds(width, exact_prefix, self.context) * self.ratios.get(width, self.overall_ratio)
 
     def draft(self) -> float:
-        return self.table.draft_step * self.draft_ratio
+        """One drafted token at this round's context."""
+        return self.table.draft_seconds(self.context) * self.draft_ratio
 
     def refined(self) -> PassCosts:
         """The table as the rounds measured it: what the next process should start from."""
-        verify, floor = [], 0.0
-        for q in range(1, self.table.max_width + 1):
-            floor = max(floor, self.verify(q))
-            verify.append(floor)
-        return dataclasses.replace(self.table, verify=tuple(verify), draft_step=self.draft(), source="refined")
+
+        def scaled(times: tuple[float, ...]) -> tuple[float, ...]:
+            out, floor = [], 0.0
+            for q, t in enumerate(times, start=1):
+                floor = max(floor, t * self.ratios.get(q, self.overall_ratio))
+                out.append(floor)
+            return tuple(out)
+
+        return dataclasses.replace(self.table, verify=scaled(self.table.verify),
+                                   verify_long=scaled(self.table.verify_long), draft_step=self.table.draft_step
+                                   * self.draft_ratio, draft_long=self.table.draft_long * self.draft_ratio,
+                                   source="refined")
 
     def observe_verify(self, width: int, exact_prefix: int, seconds: float) -> None:
+        """A pass over `width` tokens at this round's context took `seconds`."""
         if not self.learn or seconds <= 0:
             return
-        ratio = seconds / self.table.verify_seconds(width, exact_prefix)
+        ratio = seconds / self.table.verify_seconds(width, exact_prefix, self.context)
         seen = self.seen.setdefault(width, deque(maxlen=self.WINDOW))
         seen.append(ratio)
         self.seen_all.append(ratio)
@@ -330,7 +403,7 @@ class RuntimeCosts:
     def observe_draft(self, steps: int, seconds: float) -> None:
         if not self.learn or steps <= 0 or seconds <= 0 or not self.table.draft_step:
             return
-        self.seen_draft.append(seconds / steps / self.table.draft_step)
+        self.seen_draft.append(seconds / steps / self.table.draft_seconds(self.context))
         self.draft_ratio = statistics.median(self.seen_draft)
 
 

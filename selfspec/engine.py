@@ -208,6 +208,7 @@ class SelfSpecModel:
                 max_width=self.max_width,
                 repeats=repeats,
                 bucketed=self.step != "eager",  # the static step pads a pass to its bucket
+                max_positions=self.parts.max_positions,
             )
 
         if not cached:
@@ -448,7 +449,7 @@ class SelfSpecModel:
             start = len(out.tokens) - 1  # position of the last emitted token, not in the cache yet
             if auto is not None:  # an auto plan: maybe another layer set from this round
                 auto.before_round(policy)
-            policy.begin_round(min(self.plan.draft_length, out.remaining - 1))
+            policy.begin_round(min(self.plan.draft_length, out.remaining - 1), context=start)
             # 1. draft: an n-gram match, else the plan's layers, as far as the policy finds it pays
             draft = self.drafter.propose(runner, scorer, out.tokens, policy)
             draft_seconds = clock.lap()

@@ -58,6 +58,11 @@ class ModelParts:
         return self.lm_head.weight.device
 
     @property
+    def max_positions(self) -> int | None:
+        """Positions the model can embed: the learned table's size (GPT-2), None where rotary has no end."""
+        return None if self.position_embed is None else int(self.position_embed.num_embeddings)
+
+    @property
     def vocab_size(self) -> int:
         return int(self.lm_head.weight.shape[0])
 

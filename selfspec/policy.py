@@ -220,8 +220,10 @@ class CostPolicy:
         self.acceptance.positions, self.acceptance.cells, self.exact_prefix, self.draft_scale = active
         return rate
 
-    def begin_round(self, budget: int) -> None:
+    def begin_round(self, budget: int, *, context: int | None = None) -> None:
+        """A new round that may draft `budget` tokens, with `context` entries in the cache (what passes cost)."""
         self.round_budget, self.reach, self.expected = budget, 1.0, 1.0
+        self.costs.context = context
 
     def ngram_length(self, match_length: int, available: int) -> int:
         """How much of an n-gram proposal of `available` tokens to verify (0: none of it)."""
@@ -324,7 +326,7 @@ class AdaptivePolicy:
 
     wants_confidence = property(lambda self: self.enabled)
 
-    def begin_round(self, budget: int) -> None:
+    def begin_round(self, budget: int, *, context: int | None = None) -> None:
         self.round_budget = budget  # n-gram proposals may use it all, paused or not
         self.layer_budget = min(budget, self.budget())
 

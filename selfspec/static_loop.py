@@ -71,7 +71,7 @@ def run_static_rounds(
         start = len(out.tokens) - 1  # position of `last`
         if auto is not None:  # an auto plan: maybe another layer set from this round
             auto.before_round(policy)
-        policy.begin_round(min(draft_length, out.remaining - 1))
+        policy.begin_round(min(draft_length, out.remaining - 1), context=start)
         # Logits processors that read earlier tokens get them on the device (none: nothing is copied).
         history = torch.tensor(out.tokens, device=device) if scorer.processors else None  # [n]
         began = clock.mark()
