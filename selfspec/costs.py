@@ -340,34 +340,47 @@ def save_costs(folder: Path | None, key: str, costs: PassCosts) -> None:
 
 
 class RuntimeCosts:
-    """A cost table as one generation uses it: scaled by what its rounds measure.
+    """A cost table as one generation uses it: at the round's context, scaled by what its rounds measure.
 
-    Each observed verify pass gives a ratio (observed / table) for its width,
-    each layer draft one for the draft step. The ratio used is the median of
-    the last `WINDOW` observations (of that width; a width seen fewer than 3
-    times uses the median over all widths): a median follows a machine that
-    became slower or faster, and ignores a burst of other load that hit a few
-    rounds. With `learn=False` the table is used as it is (injected profiles;
-    sampling, whose draws must not depend on timing noise).
+    The decode loop sets `context` (entries in the cache) every round. Each
+    observed verify pass gives a ratio (observed / table at that context) for
+    its width and context band (0-127, 128-255, 256-511, ... entries), each
+    layer draft one for the draft step. The ratio used is the median of the
+    last `WINDOW` observations of that width in that band; one seen fewer than
+    `MIN_SEEN` times there uses the band's median over all widths, and a band
+    seen too little the median over everything. Bands keep what was learned
+    local: how a wide pass grows with the context is not quite linear, and a
+    correction learned on short contexts must not price long ones. A median
+    follows a machine that became slower or faster, and ignores a burst of
+    other load that hit a few rounds. With `learn=False` the table is used as
+    it is (injected profiles; sampling, whose draws must not depend on timing
+    noise).
     """
 
-    WINDOW = 9  # recent observations per width
-    MIN_SEEN = 3  # observations of a width before its own median is used
+    WINDOW = 9  # recent observations per width and band
+    MIN_SEEN = 3  # observations before a median is used
 
     def __init__(self, table: PassCosts, *, learn: bool = True) -> None:
         self.table = table
         self.learn = learn
         self.context: int | None = None  # entries in the cache this round (the decode loop sets it)
-        self.seen: dict[int, deque[float]] = {}  # width -> recent ratios
+        self.seen: dict[tuple[int, int], deque[float]] = {}  # (width, band) -> recent ratios
+        self.seen_band: dict[int, deque[float]] = {}  # band -> recent ratios of every width
         self.seen_all: deque[float] = deque(maxlen=3 * self.WINDOW)
         self.seen_draft: deque[float] = deque(maxlen=self.WINDOW)
-        self.ratios: dict[int, float] = {}  # width -> the ratio in use (kept up to date by `observe_verify`)
-        self.overall_ratio = 1.0
         self.draft_ratio = 1.0
+
+    def ratio(self, width: int, context: int | None) -> float:
+        """observed / table for a pass over `width` tokens at `context` entries (1.0 until something is seen)."""
+        band = context_band(self.table.context if context is None else context)
+        for seen in (self.seen.get((width, band)), self.seen_band.get(band), self.seen_all):
+            if seen is not None and len(seen) >= self.MIN_SEEN:
+                return statistics.median(seen)
+        return statistics.median(self.seen_all) if self.seen_all else 1.0
 
     def verify(self, width: int, exact_prefix: int = 0) -> float:
         """A verify pass over `width` tokens at this round's context."""
-        return self.table.verify_seconds(width, exact_prefix, self.context) * self.ratios.get(width, self.overall_ratio)
+        return self.table.verify_seconds(width, exact_prefix, self.context) * self.ratio(width, self.context)
 
     def draft(self) -> float:
         """One drafted token at this round's context."""
@@ -376,35 +389,39 @@ class RuntimeCosts:
     def refined(self) -> PassCosts:
         """The table as the rounds measured it: what the next process should start from."""
 
-        def scaled(times: tuple[float, ...]) -> tuple[float, ...]:
+        def scaled(times: tuple[float, ...], context: int) -> tuple[float, ...]:
             out, floor = [], 0.0
             for q, t in enumerate(times, start=1):
-                floor = max(floor, t * self.ratios.get(q, self.overall_ratio))
+                floor = max(floor, t * self.ratio(q, context))
                 out.append(floor)
             return tuple(out)
 
-        return dataclasses.replace(self.table, verify=scaled(self.table.verify),
-                                   verify_long=scaled(self.table.verify_long), draft_step=self.table.draft_step
-                                   * self.draft_ratio, draft_long=self.table.draft_long * self.draft_ratio,
-                                   source="refined")
+        table = self.table
+        return dataclasses.replace(table, verify=scaled(table.verify, table.context),
+                                   verify_long=scaled(table.verify_long, table.long_context),
+                                   draft_step=table.draft_step * self.draft_ratio,
+                                   draft_long=table.draft_long * self.draft_ratio, source="refined")
 
     def observe_verify(self, width: int, exact_prefix: int, seconds: float) -> None:
         """A pass over `width` tokens at this round's context took `seconds`."""
         if not self.learn or seconds <= 0:
             return
         ratio = seconds / self.table.verify_seconds(width, exact_prefix, self.context)
-        seen = self.seen.setdefault(width, deque(maxlen=self.WINDOW))
-        seen.append(ratio)
+        band = context_band(self.table.context if self.context is None else self.context)
+        self.seen.setdefault((width, band), deque(maxlen=self.WINDOW)).append(ratio)
+        self.seen_band.setdefault(band, deque(maxlen=3 * self.WINDOW)).append(ratio)
         self.seen_all.append(ratio)
-        self.overall_ratio = statistics.median(self.seen_all)
-        if len(seen) >= self.MIN_SEEN:
-            self.ratios[width] = statistics.median(seen)
 
     def observe_draft(self, steps: int, seconds: float) -> None:
         if not self.learn or steps <= 0 or seconds <= 0 or not self.table.draft_step:
             return
         self.seen_draft.append(seconds / steps / self.table.draft_seconds(self.context))
         self.draft_ratio = statistics.median(self.seen_draft)
+
+
+def context_band(context: int) -> int:
+    """0 for 0-127 entries, 1 for 128-255, 2 for 256-511, ...: where runtime corrections are kept apart."""
+    return max(0, (context // 64).bit_length() - 1)
 
 
 def moving_average(average: float, value: float, weight: float) -> float:

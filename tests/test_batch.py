@@ -11,7 +11,10 @@
 - a session that rows join and leave at round boundaries (continuous
   batching): each row still equals its prompt alone, whatever joined or
   left beside it, and the cache's rows move into place;
-- the cost model: a linear profile drafts nothing, a flat one drafts;
+- the cost model: a linear profile drafts nothing, a flat one drafts; a
+  draft must beat a plain step by the margin; a pass that is cheap at a
+  short context and costly at a long one is drafted at the first only;
+  measured batch tables time both contexts;
 - bad input: right padding, a row of padding only, a streamer with a batch.
 Sampling per row is tested statistically in `test_sampling.py`.
 """
@@ -25,6 +28,8 @@ from hypothesis import strategies as st
 from transformers import LogitsProcessorList, NoRepeatNGramLogitsProcessor
 
 import selfspec
+from selfspec.batch import BATCH_MARGIN
+from selfspec.costs import PassCosts, RuntimeCosts
 from selfspec.testing import TINY_CONFIGS, random_prompt, tiny_model
 
 ARCHS = sorted(TINY_CONFIGS)
@@ -187,6 +192,25 @@ def test_measured_batch_costs(tmp_path, monkeypatch):
     assert all(b >= a for a, b in zip(table.verify, table.verify[1:]))
     assert list(tmp_path.glob("*.json"))  # cached on disk
     assert spec._batch_costs(3, True) is runtime  # and in memory
+    assert table.long_context == 1024 and len(table.verify_long) == table.max_width  # and at a long context
+
+
+def test_a_batch_drafts_only_past_the_margin_and_prices_the_longest_rows_context():
+    session = selfspec.wrap(tiny_model("llama", torch.float32), plan=NGRAM_LAYERS).batch_session()
+    prior = NGRAM_LAYERS.target_acceptance  # 0.8: what an unseen match length is predicted at
+    free = RuntimeCosts(PassCosts((1.0,) * 6, 0.0, 4), learn=False)  # wider passes cost nothing more
+    one = [([7], 3)] + [([], 0)] * 9  # 10 rows, one with a one-token proposal: +8% tokens per pass
+    two = [([7], 3)] * 2 + [([], 0)] * 8  # +16%
+    assert prior / 10 < BATCH_MARGIN < 2 * prior / 10
+    assert session._draft_length(free, one) == 0 and session._draft_length(free, two) == 1
+    # Wider passes nearly free at 48 entries, three times a plain step at 1,024 and beyond.
+    table = PassCosts((1.0,) + (1.05,) * 5, 0.0, 4, context=48, verify_long=(1.0,) + (3.0,) * 5, long_context=1024)
+    costs = RuntimeCosts(table, learn=False)
+    rows = [([7, 8, 9], 3)] * 4
+    costs.context = 60
+    assert session._draft_length(costs, rows) == 3
+    costs.context = 1500
+    assert session._draft_length(costs, rows) == 0
 
 
 def test_bad_batches_get_clear_errors():

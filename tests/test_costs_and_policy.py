@@ -240,3 +240,68 @@ def test_a_seed_reproduces_its_sample_whatever_the_timings(plan, monkeypatch):
     runs = [spec.generate(prompt, max_new_tokens=30, do_sample=True, generator=torch.Generator().manual_seed(1))
             for _ in range(4)]
     assert all(torch.equal(runs[0], run) for run in runs[1:])
+
+
+# --------------------------------------------------------------------------- costs by context
+
+def long_table() -> PassCosts:
+    """At 48 entries a wide pass is nearly free; at 1,024 a pass over 3 tokens costs three times one."""
+    return PassCosts((1.0, 1.1, 1.2), 0.3, 4, context=48, verify_long=(1.2, 2.4, 3.6), draft_long=0.6,
+                     long_context=1024)
+
+
+def test_a_pass_costs_what_its_context_says():
+    table = long_table()
+    assert table.verify_seconds(3) == 1.2 and table.verify_seconds(3, context=10) == 1.2  # at or below 48: as timed
+    assert table.verify_seconds(3, context=536) == pytest.approx((1.2 + 3.6) / 2)  # linear between
+    assert table.verify_seconds(3, context=2000) == pytest.approx(1.2 + 2.4 * (2000 - 48) / 976)  # and beyond
+    assert table.draft_seconds(536) == pytest.approx(0.45) and table.draft_seconds() == 0.3
+    # Layers that already ran see one token: their share is priced at one token's cost at that context.
+    assert table.verify_seconds(3, exact_prefix=2, context=1024) == pytest.approx(3.6 - 0.5 * (3.6 - 1.2))
+    assert PassCosts.from_dict(table.to_dict()) == table
+    assert "at 1024 entries" in table.summary()
+    flat = PassCosts.profile("flat")
+    assert flat.verify_seconds(3, context=100_000) == flat.verify_seconds(3)  # a profile has no context
+    with pytest.raises(ValueError, match="verify_long must be positive seconds for the same 3 widths"):
+        PassCosts((1.0, 1.1, 1.2), 0.3, 4, verify_long=(1.0, 2.0), long_context=1024)
+    with pytest.raises(ValueError, match="long_context > context"):
+        PassCosts((1.0, 1.1, 1.2), 0.3, 4, verify_long=(1.0, 2.0, 3.0), long_context=48)
+    with pytest.raises(ValueError, match="not a cost table"):
+        PassCosts.from_dict({**table.to_dict(), "format": "selfspec.costs/1"})  # older tables are measured anew
+
+
+def test_the_cost_policy_prices_drafts_at_the_rounds_context():
+    """The same well-accepted n-gram proposal pays at a short context and not at a long one."""
+    plan = selfspec.DraftPlan(ngram=3, draft_length=2)
+    policy = CostPolicy(plan, RuntimeCosts(long_table(), learn=False))
+    policy.begin_round(2, context=60)
+    assert policy.ngram_length(3, 2) == 2
+    policy.begin_round(2, context=3000)
+    assert policy.ngram_length(3, 2) == 0
+
+
+def test_runtime_corrections_stay_in_their_context_band():
+    costs = RuntimeCosts(long_table())
+    costs.context = 100
+    for _ in range(3):
+        costs.observe_verify(2, 0, 0.5 * long_table().verify_seconds(2, context=100))  # short: half the table's
+    costs.context = 1500
+    assert costs.verify(2) == pytest.approx(long_table().verify_seconds(2, context=1500) * 0.5)  # nothing seen here
+    for _ in range(3):
+        costs.observe_verify(1, 0, 2.0 * long_table().verify_seconds(1, context=1500))  # long: twice the table's
+    assert costs.verify(2) == pytest.approx(long_table().verify_seconds(2, context=1500) * 2.0)  # the band's own
+    costs.context = 100
+    assert costs.verify(2) == pytest.approx(0.5 * long_table().verify_seconds(2, context=100))  # the short band's
+    refined = costs.refined()
+    assert refined.verify[1] == pytest.approx(0.55) and refined.verify_long[0] == pytest.approx(2.0 * 1.2)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_measured_tables_time_a_long_context_within_the_models_positions(kind, tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_COSTS_CACHE", str(tmp_path))
+    model = tiny_model(kind, torch.float32)
+    plan = selfspec.DraftPlan(layers=[0, 2], draft_length=4)
+    table = selfspec.wrap(model, plan=plan).costs
+    positions = getattr(model.config, "n_positions", None)
+    expected = 1024 if positions is None else positions - 5 - 1  # GPT-2's learned positions end sooner
+    assert table.long_context == expected and len(table.verify_long) == 5 and table.draft_long > 0
