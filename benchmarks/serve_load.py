@@ -11,14 +11,18 @@ threads), each serving the one loaded model:
 - `hf-generate`: the same server, but each request is one `model.generate` call (`GenerateEngine`), max batch 1:
   the baseline.
 
-For each concurrency level C (in order), every server in turn (the order rotated
-by one per level, so drift hits all alike) gets `--requests` streaming chat
-completions (greedy, `max_tokens`) from C clients that each send the next
-request when their last one ends; every request has a timeout and the whole
-run a time limit. Reports per server and level: aggregate completion tok/s,
-requests/s, time to first token, latency and per-token latency percentiles,
-the ratio of tok/s to `hf-generate` at the same level, and whether every
-output equals `hf-generate`'s for the same prompt. See benchmarks/README.md.
+For each concurrency level C (in order), the level's `--requests` are split
+into `--blocks` blocks; in each block every server in turn (the order rotated
+by one per block, so drift hits all alike) gets the block's streaming chat
+completions (greedy, `max_tokens`, the same prompts for every server) from C
+clients that each send the next request when their last one ends; every
+request has a timeout and the whole run a time limit. Reports per server and
+level: aggregate completion tok/s, requests/s, time to first token, latency
+and per-token latency percentiles, the ratio of tok/s to `hf-generate` at the
+same level, and whether every output equals `hf-generate`'s for the same
+prompt; and per level the plan's tok/s over drafting off's in every block
+(on a host whose speed drifts, the blocks' median is the steadier figure).
+See benchmarks/README.md.
 Writes results/<time>-serve_load-<model>-<dtype>/{serve_load.json, table.md}.
 """
 
@@ -33,6 +37,7 @@ import os
 import platform
 import shlex
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -227,6 +232,13 @@ def interleave(prompts: list[Prompt]) -> list[Prompt]:
     return ordered
 
 
+def block_sizes(requests: int, blocks: int) -> list[tuple[int, int]]:
+    """(first request, count) of each block: `requests` split into at most `blocks` nearly equal parts."""
+    blocks = max(1, min(blocks, requests))
+    edges = [round(i * requests / blocks) for i in range(blocks + 1)]
+    return [(a, b - a) for a, b in zip(edges, edges[1:]) if b > a]
+
+
 def parse_levels(text: str) -> list[int]:
     """`"1,2,4,8"` as [1, 2, 4, 8]: positive integers, in the order given, without repeats."""
     try:
@@ -324,8 +336,11 @@ async def send(client, url: str, prompt: Prompt, *, chat: bool, max_tokens: int,
 
 
 async def run_level(url: str, config: str, prompts: list[Prompt], *, concurrency: int, requests: int, chat: bool,
-                    max_tokens: int, request_timeout: float, time_left: float) -> tuple[list[RequestResult], float]:
+                    max_tokens: int, request_timeout: float, time_left: float,
+                    first: int = 0) -> tuple[list[RequestResult], float]:
     """`requests` requests from `concurrency` clients (each sends its next when its last ends); (results, wall s).
+
+    Request i (counted from `first`) sends `prompts[i % len(prompts)]`.
 
     Every request is bounded by `request_timeout`, the level by `time_left`:
     what has not finished by then is cancelled (its client disconnects, which
@@ -334,7 +349,7 @@ async def run_level(url: str, config: str, prompts: list[Prompt], *, concurrency
     import httpx
 
     results = [RequestResult(config, concurrency, i, prompts[i % len(prompts)].prompt_id,
-                             prompts[i % len(prompts)].category) for i in range(requests)]
+                             prompts[i % len(prompts)].category) for i in range(first, first + requests)]
     pending = iter(results)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout), limits=limits) as client:
@@ -371,18 +386,21 @@ async def run_level(url: str, config: str, prompts: list[Prompt], *, concurrency
 
 def benchmark(model, tokenizer, prompts: list[Prompt], *, levels: list[int], requests: int, max_tokens: int,
               plan=None, chat: bool = True, request_timeout: float = 300.0, time_limit: float = 3600.0,
-              log=print) -> dict:
+              blocks: int = 1, log=print) -> dict:
     """Serve `model` three ways (`CONFIGS`) and load each with every concurrency level; the results as a dict.
 
-    `plan`: the plan of `selfspec-plan` (None: the adapter's). Keys: `levels`
-    ({config: {concurrency: stats}}), `outputs` (the comparison's counts),
-    `warm_up` (seconds per config), `requests` (every `RequestResult`, as dicts),
-    `time_limit_hit`.
+    `plan`: the plan of `selfspec-plan` (None: the adapter's). `blocks`: each
+    level's requests in that many blocks, every server running each block in
+    turn. Keys: `levels` ({config: {concurrency: stats}}), `outputs` (the
+    comparison's counts), `plan_vs_plain` ({concurrency: the plan's tok/s over
+    drafting off's per block, and their median}), `warm_up` (seconds per
+    config), `requests` (every `RequestResult`, as dicts), `time_limit_hit`.
     """
     deadline = time.monotonic() + time_limit
     apps = build_apps(model, tokenizer, plan=plan, max_concurrency=max(levels), max_queue=max(64, max(levels)))
     all_results: list[RequestResult] = []
     walls: dict[tuple[str, int], float] = {}
+    block_rates: dict[tuple[str, int], list[float | None]] = {}
     warm_up: dict[str, float] = {}
     with contextlib.ExitStack() as stack:
         urls = {name: stack.enter_context(serving(app)) for name, app in apps.items()}
@@ -394,26 +412,36 @@ def benchmark(model, tokenizer, prompts: list[Prompt], *, levels: list[int], req
             if results[0].error:
                 raise RuntimeError(f"warm-up of {name} failed: {results[0].error}")
             log(f"warm-up {name}: ok ({wall:.1f} s)")
-        for step, concurrency in enumerate(levels):
-            shift = step % len(CONFIGS)
-            for name in CONFIGS[shift:] + CONFIGS[:shift]:
-                left = deadline - time.monotonic()
-                results, wall = asyncio.run(run_level(
-                    urls[name], name, prompts, concurrency=concurrency, requests=requests, chat=chat,
-                    max_tokens=max_tokens, request_timeout=request_timeout, time_left=left))
-                all_results += results
-                walls[name, concurrency] = wall
-                s = summarize_level(results, wall)
-                log(f"concurrency {concurrency} {name}: {_num(s['tokens_per_second'], '.1f')} tok/s, "
-                    f"TTFT p50 {_num(s['ttft_p50'], '.2f')} s, latency p50 {_num(s['latency_p50'], '.2f')} s, "
-                    f"{s['errors']} errors ({wall:.1f} s)")
+        step = 0
+        for concurrency in levels:
+            for first, size in block_sizes(requests, blocks):
+                shift = step % len(CONFIGS)
+                step += 1
+                for name in CONFIGS[shift:] + CONFIGS[:shift]:
+                    left = deadline - time.monotonic()
+                    results, wall = asyncio.run(run_level(
+                        urls[name], name, prompts, concurrency=concurrency, requests=size, chat=chat,
+                        max_tokens=max_tokens, request_timeout=request_timeout, time_left=left, first=first))
+                    all_results += results
+                    walls[name, concurrency] = walls.get((name, concurrency), 0.0) + wall
+                    s = summarize_level(results, wall)
+                    block_rates.setdefault((name, concurrency), []).append(s["tokens_per_second"])
+                    log(f"concurrency {concurrency} {name}, requests {first}-{first + size - 1}: "
+                        f"{_num(s['tokens_per_second'], '.1f')} tok/s, TTFT p50 {_num(s['ttft_p50'], '.2f')} s, "
+                        f"latency p50 {_num(s['latency_p50'], '.2f')} s, {s['errors']} errors ({wall:.1f} s)")
     outputs = compare_outputs(all_results, BASELINE)
     levels_summary = {name: {c: summarize_level([r for r in all_results if r.config == name and r.concurrency == c],
                                                  walls[name, c])
                              for c in levels if (name, c) in walls}
                       for name in CONFIGS}
     add_ratios(levels_summary, BASELINE)
-    return {"levels": levels_summary, "outputs": outputs, "warm_up_seconds": warm_up,
+    plan_vs_plain = {}
+    for c in levels:
+        per_block = [ratio(a, b) for a, b in zip(block_rates.get(("selfspec-plan", c), []),
+                                                  block_rates.get(("selfspec-plain", c), []))]
+        known = [r for r in per_block if r is not None]
+        plan_vs_plain[c] = {"blocks": per_block, "median": statistics.median(known) if known else None}
+    return {"levels": levels_summary, "outputs": outputs, "plan_vs_plain": plan_vs_plain, "warm_up_seconds": warm_up,
             "time_limit_hit": any(r.error and "time limit" in r.error for r in all_results),
             "requests": [asdict(r) for r in all_results]}
 
@@ -448,6 +476,10 @@ def markdown(header: dict, result: dict) -> str:
     lines = ["# selfspec serve under load", ""]
     lines += [f"- **{key}**: {value}" for key, value in header.items()]
     lines += ["", "## Per server and concurrency", ""] + table_lines(result["levels"])
+    lines += ["", "## The plan over drafting off, per block", "",
+              "| concurrency | per block | median |", "|---:|---|---:|"]
+    for c, r in result.get("plan_vs_plain", {}).items():
+        lines.append(f"| {c} | {', '.join(_num(x, '.2f') for x in r['blocks'])} | {_num(r['median'], '.2f')}x |")
     lines += ["", f"Outputs: {outputs['identical']}/{outputs['compared']} identical to {BASELINE}'s for the same "
                   f"prompt (text; near-ties not checked)"
               + (f"; {outputs['without_reference']} without a {BASELINE} output to compare" if
@@ -471,6 +503,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     p.add_argument("--concurrency", default="1,2,4,8", help="comma list of concurrent clients (default 1,2,4,8)")
     p.add_argument("--requests", type=int, default=16, help="requests per server and concurrency level (default 16)")
+    p.add_argument("--blocks", type=int, default=2,
+                   help="split each level's requests into this many blocks, every server running each in turn "
+                        "(default 2)")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request (default 64)")
     p.add_argument("--plan", type=Path, help="plan JSON for selfspec-plan (default: the adapter's plan)")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds one request may take (default 300)")
@@ -485,8 +520,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.levels = parse_levels(args.concurrency)
     except ValueError as error:
         p.error(str(error))
-    if args.requests < 1 or args.max_tokens < 1 or args.threads < 1:
-        p.error("--requests, --max-tokens and --threads must be >= 1")
+    if args.requests < 1 or args.max_tokens < 1 or args.threads < 1 or args.blocks < 1:
+        p.error("--requests, --max-tokens, --threads and --blocks must be >= 1")
     return args
 
 
@@ -532,8 +567,8 @@ def main(argv: list[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
         "prompts": source,
         "prompt format": "chat completions (chat template), first turn" if chat else "completions, raw question text",
-        "requests": f"{args.requests} per server and concurrency; streaming, temperature 0, max_tokens "
-                    f"{args.max_tokens}; timeout {args.request_timeout:g} s each, {args.time_limit:g} s in all",
+        "requests": f"{args.requests} per server and concurrency, in {args.blocks} blocks; streaming, temperature 0, "
+                    f"max_tokens {args.max_tokens}; timeout {args.request_timeout:g} s each, {args.time_limit:g} s in all",
         "concurrency": ",".join(map(str, args.levels)),
         "plan": f"{plan_line} ({'from ' + str(args.plan) if args.plan else 'the adapter plan'})",
         "servers": "in this process, uvicorn threads on 127.0.0.1; the clients (asyncio + httpx) share its CPUs",
@@ -544,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     print_header(header)
     result = benchmark(model, tokenizer, prompts, levels=args.levels, requests=args.requests,
                        max_tokens=args.max_tokens, plan=plan, chat=chat, request_timeout=args.request_timeout,
-                       time_limit=args.time_limit, log=lambda line: print(line, flush=True))
+                       time_limit=args.time_limit, blocks=args.blocks, log=lambda line: print(line, flush=True))
     header["load average at end"] = load_average()
     if result["time_limit_hit"]:
         hit = f"the run hit --time-limit {args.time_limit:g} s: unfinished requests are errors"

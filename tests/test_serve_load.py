@@ -98,6 +98,13 @@ def test_interleave_takes_categories_in_turn_and_levels_parse():
             serve_load.parse_levels(bad)
 
 
+def test_blocks_split_the_requests_in_order_and_nearly_evenly():
+    assert serve_load.block_sizes(16, 2) == [(0, 8), (8, 8)]
+    assert serve_load.block_sizes(10, 3) == [(0, 3), (3, 4), (7, 3)]
+    assert serve_load.block_sizes(2, 5) == [(0, 1), (1, 1)]  # no empty block
+    assert serve_load.block_sizes(7, 1) == [(0, 7)]
+
+
 # --------------------------------------------------------------------------- end to end
 
 
@@ -113,10 +120,17 @@ def test_a_small_run_serves_three_ways_and_reports_every_level():
     prompts = [Prompt(f"p{i}", f"c{i % 2}", text, torch.zeros(1, 1, dtype=torch.long)) for i, text in enumerate(texts)]
     lines = []
     result = serve_load.benchmark(model, tokenizer, prompts, levels=[1, 2], requests=4, max_tokens=6, plan=PLAN,
-                                  request_timeout=30, time_limit=60, log=lines.append)
+                                  request_timeout=30, time_limit=60, blocks=2, log=lines.append)
     assert not result["time_limit_hit"]
     assert [r["error"] for r in result["requests"] if r["error"]] == []
     assert len(result["requests"]) == 3 * 2 * 4
+    for name in serve_load.CONFIGS:  # two blocks per level, each request index once per server and level
+        for concurrency in (1, 2):
+            assert sorted(r["index"] for r in result["requests"]
+                          if r["config"] == name and r["concurrency"] == concurrency) == [0, 1, 2, 3]
+    for concurrency in (1, 2):
+        per_block = result["plan_vs_plain"][concurrency]
+        assert len(per_block["blocks"]) == 2 and per_block["median"] > 0
     assert result["outputs"] == {"identical": 24, "compared": 24, "without_reference": 0}
     for name in serve_load.CONFIGS:
         for concurrency in (1, 2):
@@ -130,4 +144,5 @@ def test_a_small_run_serves_three_ways_and_reports_every_level():
     assert any(line.startswith("warm-up hf-generate: ok") for line in lines)
     table = serve_load.markdown({"model": "tiny"}, result)
     assert table.count("| hf-generate |") == 2 and "24/24 identical" in table
+    assert "The plan over drafting off, per block" in table
     assert not math.isnan(result["levels"]["selfspec-plain"][2]["latency_p50"])
