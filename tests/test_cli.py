@@ -252,6 +252,7 @@ def test_costs_command_on_a_tiny_model(tiny_folder, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "verify pass over q tokens, in plain steps: 1:1.00 2:" in out and " 4:" in out  # widths 1..k+1
     assert "an n-gram copy pays when more than" in out and "draft step:" in out
+    assert "the same with 1024 entries in the cache (not 48): 1:" in out
     assert "fastest plain step here:" in out
 
 

@@ -56,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"  plain step: {costs.step * 1e3:.2f} ms ({costs.measure_seconds:.2f} s to measure)")
         widths = " ".join(f"{q}:{t / costs.step:.2f}" for q, t in enumerate(costs.verify, start=1))
         print(f"  verify pass over q tokens, in plain steps: {widths}")
+        if costs.verify_long:
+            long = " ".join(f"{q}:{t / costs.step:.2f}" for q, t in enumerate(costs.verify_long, start=1))
+            print(f"  the same with {costs.long_context} entries in the cache (not {costs.context}): {long}")
         copy = costs.verify_seconds(2) / costs.step - 1
         print(f"  an n-gram copy pays when more than {copy:.0%} of copied tokens are accepted (k=1)")
         if costs.draft_step:
