@@ -11,12 +11,15 @@ Two signals, both already at hand:
   the last, in model order.
 - **What each budget earns.** A few budgets are candidates (about 1/2, 2/3,
   5/6 of the layers and all but one). The cost policy keeps acceptance
-  estimates per chosen layer set and predicts each set's tokens per second
-  from them and from its cost (a drafted token costs the table's draft step
+  estimates per budget and predicts each budget's tokens per second from
+  them and from its cost (a drafted token costs the table's draft step
   scaled by the weights the set reads: its layers plus the LM head). Every
-  `CHOOSE_EVERY` rounds the set with the best prediction drafts; an untried
-  set is predicted at the prior, so each gets tried, and estimates fade, so
-  a set written off is tried again later. When no set beats plain steps the
+  `CHOOSE_EVERY` rounds the budget with the best prediction drafts; an
+  untried budget is predicted at the prior, so each gets tried, and
+  estimates fade, so a budget written off is tried again later. Estimates
+  follow the budget, not the exact set: as the ranking moves, a budget's set
+  may trade a layer, and it keeps what the budget learned instead of being
+  tried afresh at the optimistic prior. When no set beats plain steps the
   cost policy drafts nothing from the layers.
 
 Changing the set between rounds is free: a verify pass writes every layer's
@@ -128,7 +131,7 @@ class AutoLayers:
         best, best_rate = None, -1.0
         for budget in self.budgets:
             layers = layers_for(budget, ranking, self.num_layers)
-            rate = policy.layer_rate(layers, exact_prefix=exact_prefix(layers), draft_scale=self.scale(layers))
+            rate = policy.layer_rate(budget, exact_prefix=exact_prefix(layers), draft_scale=self.scale(layers))
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = layers, rate
         if best != self.drafter.draft_layers or not self.history:
@@ -141,7 +144,7 @@ class AutoLayers:
     def use(self, layers: tuple[int, ...], policy) -> None:
         self.drafter.set_layers(layers)
         self.passes.exact_prefix = self.drafter.exact_prefix
-        policy.use_layers(layers, exact_prefix=self.drafter.exact_prefix, draft_scale=self.scale(layers))
+        policy.use_layers(len(layers), exact_prefix=self.drafter.exact_prefix, draft_scale=self.scale(layers))
         self.history.append((self.rounds, layers))
 
     def describe(self) -> str:

@@ -19,7 +19,8 @@ import selfspec
 from plan_strategies import assert_same
 from selfspec.auto_layers import AutoLayers, LayerInfluence, candidate_budgets, exact_prefix, layers_for
 from selfspec.costs import PassCosts, RuntimeCosts
-from selfspec.draft import Draft
+from selfspec.draft import Draft, Drafter
+from selfspec.passes import TargetPasses
 from selfspec.policy import CostPolicy
 from selfspec.testing import TINY_CONFIGS, random_prompt, tiny_model
 
@@ -95,6 +96,32 @@ def test_layer_sets_fade_back_toward_the_prior():
         policy.acceptance.decay()
     policy.use_layers((0, 9), exact_prefix=1, draft_scale=1.0)
     assert low < 0.3 < policy.acceptance.layer_position(1)
+
+
+def test_a_budget_keeps_what_it_learned_when_its_set_trades_a_layer():
+    """Estimates follow the budget: a rejected budget is not tried afresh because the ranking moved."""
+    plan = selfspec.DraftPlan(auto=True, draft_length=6)
+    drafter = Drafter(plan, 10)
+    auto = AutoLayers(drafter, TargetPasses(10, exact_prefix=drafter.exact_prefix), layer_weights=[1.0] * 10,
+                      head_weight=1.0, device=torch.device("cpu"))
+    policy = policy_with(PassCosts.profile("flat", max_width=7, step=1.0, draft_fraction=0.5, num_layers=10))
+
+    def rank(order: list[int]) -> None:  # the influence ranking, most changing first
+        auto.influence.change = torch.tensor([float(10 - order.index(i)) for i in range(10)])
+        auto.influence.ranked = None
+
+    rank([3, 7, 5, 1, 2, 4, 6, 8, 0, 9])
+    auto.choose(policy)
+    first = drafter.draft_layers
+    assert len(first) == 5  # at the prior every budget is as likely accepted: the cheapest drafts
+    for _ in range(10):
+        policy.observe(Draft([1] * 3, None, [], confidences=[0.9] * 3), 0, draft_seconds=0.0, verify_seconds=0.0,
+                       width=4)
+    rank([3, 7, 1, 5, 2, 4, 6, 8, 0, 9])  # layers 5 and 1 swap places: the 5-layer set trades layer 5 for 1
+    assert layers_for(5, auto.influence.ranking(), 10) != first
+    auto.choose(policy)
+    assert len(drafter.draft_layers) != 5  # the 5-layer budget's rejections still count
+    assert set(policy.acceptance.layer_sets) <= {None, *candidate_budgets(10)}
 
 
 @pytest.mark.parametrize("step", ["eager", "static"])
