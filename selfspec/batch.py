@@ -57,7 +57,7 @@ from .ngram import NgramIndex
 from .output import Clock, Output
 from .parts import ModelParts, soft_cap
 from .plan import DraftPlan
-from .policy import AcceptanceEstimates
+from .policy import AcceptanceEstimates, Calibration
 from .runner import LayerRunner
 from .scoring import Scorer
 from .stats import BatchStats, GenerationStats
@@ -268,6 +268,7 @@ class BatchSession:
         self.ngram = plan.ngram
         self.max_draft = plan.draft_length if plan.ngram else 0
         self.acceptance = AcceptanceEstimates(prior=plan.target_acceptance)  # every row's n-gram outcomes
+        self.calibration = Calibration()  # the share of predicted extra tokens the chosen drafts brought
         self.settings_for = settings_for
         self.costs_for = costs_for
         self.check_context = check_context
@@ -333,12 +334,12 @@ class BatchSession:
         # 1. draft: each row's n-gram proposal
         proposals = [self._proposal(row) for row in self.rows]
         # 2. choose the batch's draft length by expected tokens per second
-        costs, k = None, 0
+        costs, k, predicted = None, 0, 0.0
         if any(tokens for tokens, _ in proposals):
             sampling = any(row.scorer.do_sample for row in self.rows)
             costs = self.costs_for(n, not sampling)  # when sampling, decide from the table, not timing noise
             costs.context = max(starts)  # every row attends over the longest row's span
-            k = self._draft_length(costs, proposals)
+            k, predicted = self._draft_length(costs, proposals)
         drafts = [tokens[:k] for tokens, _ in proposals]
         width = 1 + max(len(d) for d in drafts)
         draft_seconds = clock.lap()
@@ -353,6 +354,8 @@ class BatchSession:
             self.stats.costs = costs.table.summary()
         finished = []
         self.acceptance.decay()  # once per round: old evidence fades
+        self.calibration.decay()
+        accepted = 0
         for i, (row, draft, (_, match_length)) in enumerate(zip(self.rows, drafts, proposals)):
             # 4. accept, with the row's own scores
             scores = row.scorer.scores(logits[i, : len(draft) + 1], row.out.tokens + draft, len(row.out.tokens))
@@ -370,8 +373,11 @@ class BatchSession:
             if draft:
                 self.acceptance.observe(Draft(draft, None, [], source="ngram", match_length=match_length),
                                         verdict.accepted)
+                accepted += verdict.accepted
             if row.done:
                 finished.append(row)
+        if k:
+            self.calibration.observe(predicted=predicted, realized=accepted)
         self.stats.passes += 1
         self.stats.rounds += 1
         self.stats.row_passes += n
@@ -385,30 +391,33 @@ class BatchSession:
             return [], 0
         return row.ngrams.match(row.out.tokens, budget=budget)
 
-    def _draft_length(self, costs: RuntimeCosts, proposals: list[tuple[list[int], int]]) -> int:
-        """The common cut k of the rows' proposals that maximises expected emitted tokens per second.
+    def _draft_length(self, costs: RuntimeCosts, proposals: list[tuple[list[int], int]]) -> tuple[int, float]:
+        """The common cut k of the rows' proposals that maximises expected emitted tokens per second, and the
+        accepted tokens it is predicted to bring.
 
         Row i emits 1 + sum over j <= min(k, its proposal) of the chance that
-        its first j copied tokens are all accepted; the pass costs
-        `costs.verify(k + 1)` for the whole batch. Drafting at all must beat
-        not drafting by `BATCH_MARGIN`; among drafts, ties go to the shorter.
+        its first j copied tokens are all accepted; those extra tokens are
+        scaled by what the session's chosen drafts realized of their
+        predictions (`Calibration`); the pass costs `costs.verify(k + 1)` for
+        the whole batch. Drafting at all must beat not drafting by
+        `BATCH_MARGIN`; among drafts, ties go to the shorter.
         """
         longest = max(len(tokens) for tokens, _ in proposals)
         if not longest:
-            return 0
+            return 0, 0.0
         odds = [[self.acceptance.ngram_token(match, j + 1) for j in range(len(tokens))] for tokens, match in proposals]
         reach = [1.0] * len(odds)
-        expected = float(len(odds))
-        best_k, best_rate = 0, expected / costs.verify(1) * (1 + BATCH_MARGIN)
+        rows, extra, scale = len(odds), 0.0, self.calibration.ratio
+        best_k, best_extra, best_rate = 0, 0.0, rows / costs.verify(1) * (1 + BATCH_MARGIN)
         for k in range(1, longest + 1):
             for i, row_odds in enumerate(odds):
                 if k <= len(row_odds):
                     reach[i] *= row_odds[k - 1]
-                    expected += reach[i]
-            rate = expected / costs.verify(k + 1)
+                    extra += reach[i]
+            rate = (rows + scale * extra) / costs.verify(k + 1)
             if rate > best_rate * (1 + 1e-9):
-                best_k, best_rate = k, rate
-        return best_k
+                best_k, best_extra, best_rate = k, extra, rate
+        return best_k, best_extra
 
     def _finish(self, rows: list[BatchRow]) -> None:
         """Rows that are done leave the batch; their stats are completed and kept in the session's."""

@@ -92,7 +92,7 @@ def test_batch_rows_equal_each_prompt_alone(arch, data):
 
 def test_ngram_drafts_are_verified_and_some_rejected():
     model = tiny_model("llama", torch.float64)
-    spec = selfspec.wrap(model, plan=NGRAM)
+    spec = selfspec.wrap(model, plan=NGRAM, costs="flat")  # drafting pays whatever this machine's timings
     prompts = [repetitive(18, seed=s) for s in range(4)]
     assert_rows_alone(model, spec, prompts, max_new_tokens=30)
     stats = spec.last_stats
@@ -202,15 +202,19 @@ def test_a_batch_drafts_only_past_the_margin_and_prices_the_longest_rows_context
     one = [([7], 3)] + [([], 0)] * 9  # 10 rows, one with a one-token proposal: +8% tokens per pass
     two = [([7], 3)] * 2 + [([], 0)] * 8  # +16%
     assert prior / 10 < BATCH_MARGIN < 2 * prior / 10
-    assert session._draft_length(free, one) == 0 and session._draft_length(free, two) == 1
+    assert session._draft_length(free, one)[0] == 0 and session._draft_length(free, two) == (1, 2 * prior)
     # Wider passes nearly free at 48 entries, three times a plain step at 1,024 and beyond.
     table = PassCosts((1.0,) + (1.05,) * 5, 0.0, 4, context=48, verify_long=(1.0,) + (3.0,) * 5, long_context=1024)
     costs = RuntimeCosts(table, learn=False)
     rows = [([7, 8, 9], 3)] * 4
     costs.context = 60
-    assert session._draft_length(costs, rows) == 3
+    assert session._draft_length(costs, rows)[0] == 3
     costs.context = 1500
-    assert session._draft_length(costs, rows) == 0
+    assert session._draft_length(costs, rows)[0] == 0
+    # Chosen drafts that brought half the tokens predicted: the same two proposals no longer pay.
+    session.calibration.observe(predicted=40.0, realized=20.0)
+    assert session.calibration.ratio == pytest.approx(24 / 44)
+    assert session._draft_length(free, two)[0] == 0
 
 
 def test_bad_batches_get_clear_errors():
