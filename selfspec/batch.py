@@ -12,10 +12,11 @@ of its own) and leaves when it is done; `step` runs one round for every row:
 1. draft: each row's n-gram proposal (prompt lookup over its own tokens);
 2. choose: one verify width for the batch, the one that maximises the
    batch's expected emitted tokens per second, from the session's learned
-   n-gram acceptance and the measured cost of a pass over (rows, width) at the
-   longest row's context; drafting at all must beat a plain step by
-   `BATCH_MARGIN`. The cost model decides per batch, and width 1 is a plain
-   step for every row;
+   n-gram acceptance (its predicted gains scaled by what the session's
+   chosen drafts realized of theirs, `policy.Calibration`) and the measured
+   cost of a pass over (rows, width) at the longest row's context; drafting
+   at all must beat a plain step by `BATCH_MARGIN`. The cost model decides
+   per batch, and width 1 is a plain step for every row;
 3. verify: one pass of the full model over `[rows, width]`, row i holding
    its last token and its draft, padded;
 4. accept: per row, the greedy prefix rule or the rejection rule
