@@ -1,6 +1,6 @@
 """Load on `selfspec serve`: N concurrent streaming clients against three servers of the same model.
 
-    python -m benchmarks.serve_load                                   # concurrency 1,2,4,8; 16 requests each
+    python -m benchmarks.serve_load                                   # concurrency 1,2,4,8; 32 requests each
     python -m benchmarks.serve_load --threads 1 --concurrency 1,2 --requests 2 --max-tokens 16   # a smoke run
 
 Three servers, all on 127.0.0.1 (free ports), in this process (uvicorn in
@@ -502,7 +502,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the model's dtype (default bfloat16)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     p.add_argument("--concurrency", default="1,2,4,8", help="comma list of concurrent clients (default 1,2,4,8)")
-    p.add_argument("--requests", type=int, default=16, help="requests per server and concurrency level (default 16)")
+    p.add_argument("--requests", type=int, default=32, help="requests per server and concurrency level (default 32)")
     p.add_argument("--blocks", type=int, default=2,
                    help="split each level's requests into this many blocks, every server running each in turn "
                         "(default 2)")
