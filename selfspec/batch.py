@@ -204,7 +204,7 @@ class BatchRunner(LayerRunner):
         return additive.masked_fill(~allowed, torch.finfo(self.dtype).min)[:, None]
 
 
-def measure_batch_costs(parts: ModelParts, *, rows: int, max_width: int, repeats: int = 3) -> PassCosts:
+def measure_batch_costs(parts: ModelParts, *, rows: int, max_width: int, repeats: int = 2) -> PassCosts:
     """Seconds of a full pass over `[rows, q]` for q = 1, 2, 4, 8, ... `max_width` (others interpolated).
 
     Timed on a scratch cache whose rows hold `MEASURE_CONTEXT` entries, then
