@@ -270,6 +270,7 @@ class BatchSession:
         self.max_draft = plan.draft_length if plan.ngram else 0
         self.acceptance = AcceptanceEstimates(prior=plan.target_acceptance)  # every row's n-gram outcomes
         self.calibration = Calibration()  # the share of predicted extra tokens the chosen drafts brought
+        self.last_table: PassCosts | None = None  # the cost table the last drafting decision used (for the stats)
         self.settings_for = settings_for
         self.costs_for = costs_for
         self.check_context = check_context
@@ -352,7 +353,7 @@ class BatchSession:
         verify_seconds = clock.lap()
         if costs is not None:
             costs.observe_verify(width, 0, verify_seconds)
-            self.stats.costs = costs.table.summary()
+            self.last_table = costs.table
         finished = []
         self.acceptance.decay()  # once per round: old evidence fades
         self.calibration.decay()
@@ -434,6 +435,8 @@ class BatchSession:
             row.stats.total_seconds = time.perf_counter() - row.began
             row.stats.policy = f"batch cost (acceptance {self.acceptance.summary()})" if self.ngram else "plain"
             self.stats.row_stats.append(row.stats)
+        if rows and self.last_table is not None:
+            self.stats.costs = self.last_table.summary()
         if not self.rows:
             self.runner = None  # an empty batch holds no cache; the next row allocates anew
 

@@ -50,6 +50,7 @@ from .loading import default_cache_dir
 COSTS_FORMAT = "selfspec.costs/2"
 MEASURE_CONTEXT = 48  # tokens already in the cache while timing
 LONG_CONTEXT = 1024  # ... and a second time: how a pass's cost grows with the context
+FLAT_UP_TO = 16  # the "flat" profile: a pass over up to this many tokens costs one step
 
 
 def long_context(max_positions: int | None, max_width: int) -> int:
@@ -58,7 +59,6 @@ def long_context(max_positions: int | None, max_width: int) -> int:
     if max_positions is None:
         return LONG_CONTEXT
     return max(MEASURE_CONTEXT, min(LONG_CONTEXT, max_positions - max_width - 1))
-FLAT_UP_TO = 16  # the "flat" profile: a pass over up to this many tokens costs one step
 
 
 @dataclass(frozen=True)
@@ -364,19 +364,22 @@ class RuntimeCosts:
         self.table = table
         self.learn = learn
         self.context: int | None = None  # entries in the cache this round (the decode loop sets it)
-        self.seen: dict[tuple[int, int], deque[float]] = {}  # (width, band) -> recent ratios
-        self.seen_band: dict[int, deque[float]] = {}  # band -> recent ratios of every width
+        # Recent ratios by (width, band) and by band (every width); their medians once seen MIN_SEEN times,
+        # kept up to date by `observe_verify` so that pricing a round reads them and computes nothing.
+        self.seen: dict[tuple[int, int] | int, deque[float]] = {}
+        self.medians: dict[tuple[int, int] | int, float] = {}
         self.seen_all: deque[float] = deque(maxlen=3 * self.WINDOW)
+        self.overall = 1.0  # the median over everything seen (1.0 until something is)
         self.seen_draft: deque[float] = deque(maxlen=self.WINDOW)
         self.draft_ratio = 1.0
 
     def ratio(self, width: int, context: int | None) -> float:
         """observed / table for a pass over `width` tokens at `context` entries (1.0 until something is seen)."""
-        band = context_band(self.table.context if context is None else context)
-        for seen in (self.seen.get((width, band)), self.seen_band.get(band), self.seen_all):
-            if seen is not None and len(seen) >= self.MIN_SEEN:
-                return statistics.median(seen)
-        return statistics.median(self.seen_all) if self.seen_all else 1.0
+        band = self._band(context)
+        return self.medians.get((width, band), self.medians.get(band, self.overall))
+
+    def _band(self, context: int | None) -> int:
+        return context_band(self.table.context if context is None else context)
 
     def verify(self, width: int, exact_prefix: int = 0) -> float:
         """A verify pass over `width` tokens at this round's context."""
@@ -407,10 +410,14 @@ class RuntimeCosts:
         if not self.learn or seconds <= 0:
             return
         ratio = seconds / self.table.verify_seconds(width, exact_prefix, self.context)
-        band = context_band(self.table.context if self.context is None else self.context)
-        self.seen.setdefault((width, band), deque(maxlen=self.WINDOW)).append(ratio)
-        self.seen_band.setdefault(band, deque(maxlen=3 * self.WINDOW)).append(ratio)
+        band = self._band(self.context)
+        for key, window in (((width, band), self.WINDOW), (band, 3 * self.WINDOW)):
+            seen = self.seen.setdefault(key, deque(maxlen=window))
+            seen.append(ratio)
+            if len(seen) >= self.MIN_SEEN:
+                self.medians[key] = statistics.median(seen)
         self.seen_all.append(ratio)
+        self.overall = statistics.median(self.seen_all)
 
     def observe_draft(self, steps: int, seconds: float) -> None:
         if not self.learn or steps <= 0 or seconds <= 0 or not self.table.draft_step:
