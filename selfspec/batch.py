@@ -341,7 +341,9 @@ class BatchSession:
             sampling = any(row.scorer.do_sample for row in self.rows)
             costs = self.costs_for(n, not sampling)  # when sampling, decide from the table, not timing noise
             costs.context = max(starts)  # every row attends over the longest row's span
-            k, predicted = self._draft_length(costs, proposals)
+            # When sampling, decide from the table and the plan's prior alone, not from what earlier requests
+            # taught the session: a seed then reproduces its sample whatever ran before it.
+            k, predicted = self._draft_length(costs, proposals, learned=not sampling)
         drafts = [tokens[:k] for tokens, _ in proposals]
         width = 1 + max(len(d) for d in drafts)
         draft_seconds = clock.lap()
@@ -393,7 +395,8 @@ class BatchSession:
             return [], 0
         return row.ngrams.match(row.out.tokens, budget=budget)
 
-    def _draft_length(self, costs: RuntimeCosts, proposals: list[tuple[list[int], int]]) -> tuple[int, float]:
+    def _draft_length(self, costs: RuntimeCosts, proposals: list[tuple[list[int], int]], *,
+                      learned: bool = True) -> tuple[int, float]:
         """The common cut k of the rows' proposals that maximises expected emitted tokens per second, and the
         accepted tokens it is predicted to bring.
 
@@ -402,14 +405,16 @@ class BatchSession:
         scaled by what the session's chosen drafts realized of their
         predictions (`Calibration`); the pass costs `costs.verify(k + 1)` for
         the whole batch. Drafting at all must beat not drafting by
-        `BATCH_MARGIN`; among drafts, ties go to the shorter.
+        `BATCH_MARGIN`; among drafts, ties go to the shorter. `learned=False`:
+        the plan's prior acceptance and no calibration (nothing the session learned).
         """
         longest = max(len(tokens) for tokens, _ in proposals)
         if not longest:
             return 0, 0.0
-        odds = [[self.acceptance.ngram_token(match, j + 1) for j in range(len(tokens))] for tokens, match in proposals]
+        acceptance = self.acceptance if learned else AcceptanceEstimates(prior=self.acceptance.prior)
+        odds = [[acceptance.ngram_token(match, j + 1) for j in range(len(tokens))] for tokens, match in proposals]
         reach = [1.0] * len(odds)
-        rows, extra, scale = len(odds), 0.0, self.calibration.ratio
+        rows, extra, scale = len(odds), 0.0, self.calibration.ratio if learned else 1.0
         best_k, best_extra, best_rate = 0, 0.0, rows / costs.verify(1) * (1 + BATCH_MARGIN)
         for k in range(1, longest + 1):
             for i, row_odds in enumerate(odds):
