@@ -59,7 +59,7 @@ from .output import Clock, Output
 from .parts import ModelParts, soft_cap
 from .plan import DraftPlan
 from .policy import AcceptanceEstimates, Calibration
-from .runner import LayerRunner
+from .runner import LayerRunner, grouped_kv_attention
 from .scoring import Scorer
 from .stats import BatchStats, GenerationStats
 
@@ -91,6 +91,7 @@ class BatchedKVCache:
         self.lengths: list[int] = []  # per active row
         self.rows = slice(0, 0)
         self.write_slots: torch.Tensor | None = None  # [r, q] int64
+        self.write_rows: torch.Tensor | None = None  # [r, q] int64: j in row j (indexes the block's rows)
         self.span = 0
 
     @property
@@ -103,10 +104,11 @@ class BatchedKVCache:
             self.keys[layer_idx] = _zeros_like_rows(key_states, self.row_capacity, self.capacity)
             self.values[layer_idx] = _zeros_like_rows(value_states, self.row_capacity, self.capacity)
         keys, values = self.keys[layer_idx][self.rows], self.values[layer_idx][self.rows]  # views
-        r, heads, q, dim = key_states.shape
-        index = self.write_slots[:, None, :, None].expand(r, heads, q, dim)
-        keys.scatter_(2, index, key_states)
-        values.scatter_(2, index.expand(r, value_states.shape[1], q, value_states.shape[3]), value_states)
+        # Indexed assignment over (row, slot) pairs: a scatter along the slots with an index expanded over
+        # heads and head_dim costs 20x more on CPU (200 us against 10 us per layer at 8 rows).
+        rows = self.write_rows  # [r, q]: row j, beside its slots
+        keys.transpose(1, 2)[rows, self.write_slots] = key_states.transpose(1, 2)  # [r, q, kv_heads, head_dim]
+        values.transpose(1, 2)[rows, self.write_slots] = value_states.transpose(1, 2)
         return keys[:, :, : self.span], values[:, :, : self.span]
 
     def add_row(self) -> int:
@@ -174,22 +176,24 @@ class BatchRunner(LayerRunner):
         slots = torch.tensor(starts, device=device)[:, None] + torch.arange(q, device=device)  # [r, q]
         cache = self.cache
         cache.rows, cache.write_slots, cache.span = rows, slots, max(starts) + q
+        cache.write_rows = torch.arange(r, device=device)[:, None].expand(r, q)  # [r, q]
         hidden = self.parts.embed(ids)  # [r, q, hidden]
         if self.parts.position_embed is not None:  # learned absolute positions (GPT-2)
             hidden = hidden + self.parts.position_embed(slots)
         rotary = {kind: tuple(t[0][slots] for t in table) for kind, table in self.rotary.items()}  # [r, q, dim]
         masks: dict[int | None, torch.Tensor] = {}
         keys = torch.arange(cache.span, device=device)  # [span]
-        for i in range(self.parts.num_layers):
-            window = self.windows[i]
-            if window not in masks:
-                allowed = keys[None, None] <= slots[:, :, None]  # [r, q, span]
-                if window is not None:
-                    allowed &= keys[None, None] > slots[:, :, None] - window
-                # One row at one position sees every key of its span: no mask (the kernel one-token steps use).
-                masks[window] = None if r == 1 and q == 1 and window is None else self.row_mask(allowed)
-            hidden = self.call(self.layers[i], hidden, mask=masks[window],
-                               position_embeddings=rotary.get(self.rotary_kinds[i]), position_ids=slots, cache=cache)
+        with grouped_kv_attention(self.wide_pass_kernel(q)):
+            for i in range(self.parts.num_layers):
+                window = self.windows[i]
+                if window not in masks:
+                    allowed = keys[None, None] <= slots[:, :, None]  # [r, q, span]
+                    if window is not None:
+                        allowed &= keys[None, None] > slots[:, :, None] - window
+                    # One row at one position sees every key of its span: no mask (the kernel one-token steps use).
+                    masks[window] = None if r == 1 and q == 1 and window is None else self.row_mask(allowed)
+                hidden = self.call(self.layers[i], hidden, mask=masks[window],
+                                   position_embeddings=rotary.get(self.rotary_kinds[i]), position_ids=slots, cache=cache)
         for j, start in enumerate(starts):
             cache.lengths[rows.start + j] = start + q
         if last:

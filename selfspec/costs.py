@@ -50,6 +50,9 @@ from .loading import default_cache_dir
 COSTS_FORMAT = "selfspec.costs/2"
 MEASURE_CONTEXT = 48  # tokens already in the cache while timing
 LONG_CONTEXT = 1024  # ... and a second time: how a pass's cost grows with the context
+# Raised when the way selfspec runs a pass changes what it costs (2: wide passes hand grouped K/V heads to the
+# kernel, batched caches written by indexed assignment), so tables timed before are measured anew.
+PASS_KERNELS = 2
 FLAT_UP_TO = 16  # the "flat" profile: a pass over up to this many tokens costs one step
 
 
@@ -300,7 +303,7 @@ def _sync(device: torch.device) -> None:
 
 def cache_key(**identity: Any) -> str:
     """A short stable key for a cost table's identity (model, plan's draft, dtype, device, threads, processor)."""
-    identity = {**identity, "torch": torch.__version__, "format": COSTS_FORMAT}
+    identity = {**identity, "torch": torch.__version__, "format": COSTS_FORMAT, "kernels": PASS_KERNELS}
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 

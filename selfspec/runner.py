@@ -27,6 +27,9 @@ it does not know plans, acceptance or sampling.
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 
 from .cache import SharedKVCache
@@ -106,26 +109,32 @@ class LayerRunner:
         index = slice(start, start + q) if tree is None else rows
         rotary = {kind: tuple(t[:, index] for t in table) for kind, table in self.rotary.items()}
         masks: dict[int | None, torch.Tensor | None] = {}
-        for i in layers:
-            if self.cache.lengths[i] != start:
-                raise RuntimeError(
-                    f"cache out of step: layer {i} holds {self.cache.lengths[i]} positions, expected {start}"
+        with grouped_kv_attention(self.wide_pass_kernel(q)):
+            for i in layers:
+                if self.cache.lengths[i] != start:
+                    raise RuntimeError(
+                        f"cache out of step: layer {i} holds {self.cache.lengths[i]} positions, expected {start}"
+                    )
+                window = self.windows[i]
+                if window not in masks:
+                    masks[window] = self.mask(q, start, window) if tree is None else self.tree_mask(tree, start, window)
+                before = hidden
+                hidden = self.call(
+                    self.layers[i],
+                    hidden,
+                    mask=masks[window],
+                    position_embeddings=rotary.get(self.rotary_kinds[i]),
+                    position_ids=position_ids,
+                    cache=self.cache,
                 )
-            window = self.windows[i]
-            if window not in masks:
-                masks[window] = self.mask(q, start, window) if tree is None else self.tree_mask(tree, start, window)
-            before = hidden
-            hidden = self.call(
-                self.layers[i],
-                hidden,
-                mask=masks[window],
-                position_embeddings=rotary.get(self.rotary_kinds[i]),
-                position_ids=position_ids,
-                cache=self.cache,
-            )
-            if probe is not None:
-                probe(i, before, hidden)
+                if probe is not None:
+                    probe(i, before, hidden)
         return hidden
+
+    def wide_pass_kernel(self, q: int) -> bool:
+        """Whether a pass over `q` queries should hand grouped K/V heads to the kernel as they are (see
+        `grouped_kv_attention`): a masked pass over several queries, on the CPU, with sdpa."""
+        return q > 1 and self.bool_masks and self.positions.device.type == "cpu"
 
     def logits(self, hidden: torch.Tensor, vocab: DraftVocab | None = None) -> torch.Tensor:
         """`[q, vocab]` float32 logits from the last hidden states `[1, q, hidden]`.
@@ -167,3 +176,35 @@ class LayerRunner:
             return allowed[None, None]
         additive = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
         return additive.masked_fill(~allowed, torch.finfo(self.dtype).min)[None, None]
+
+
+GROUPED_KV_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"  # transformers' own switch, read at every sdpa attention call
+
+
+@contextlib.contextmanager
+def grouped_kv_attention(active: bool):
+    """While `active`, transformers' sdpa attention passes grouped K/V heads to the kernel as they are
+    (`enable_gqa`) rather than copying each K/V head once per query head it serves (`repeat_kv`).
+
+    transformers makes that copy for every masked pass over more than one
+    query. On the CPU, for a pass over a few tokens at a long context, the
+    copy is most of the attention's cost (8 rows x 2 tokens at 1,024
+    entries, SmolLM2: 2.5 ms a layer against 1.4). The kernel computes the
+    same sums (bit-identical outputs in our checks); only the copy goes. A
+    one-query pass is left alone: transformers folds its heads, which is
+    faster still. The switch is an environment variable, so it is
+    process-wide while set (a call elsewhere in the process at that moment
+    may take the same kernel, with the same result); it is restored after.
+    """
+    if not active:
+        yield
+        return
+    before = os.environ.get(GROUPED_KV_SWITCH)
+    os.environ[GROUPED_KV_SWITCH] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(GROUPED_KV_SWITCH, None)
+        else:
+            os.environ[GROUPED_KV_SWITCH] = before
