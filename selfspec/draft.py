@@ -8,7 +8,9 @@ computes), so the verify pass can resume at layer s instead of starting over.
 With a trained exit head (`head.py`) the draft is layers 0..E-1, then the head
 (layer N of the cache). With a draft vocabulary (`vocab.py`) the draft scores
 only its tokens. An n-gram match (`ngram.py`), when the plan looks for one,
-comes first: it is free.
+comes first: it is free. With the plan's `tree`, the layers may draft a token
+tree instead of a chain (`Drafter.layer_tree`: one pass per level over the
+level's likeliest nodes, written in tree rows beyond the last token).
 
 This module proposes and records; it does not run the target's full passes
 (`passes.py`), decide acceptance (`acceptance.py`) or choose the draft length
@@ -38,11 +40,12 @@ class Draft:
     source: str = "layers"  # "layers", or "ngram" (copied from an earlier match; no boundary states)
     confidences: list[float] = field(default_factory=list)  # per drafted token: the draft's top probability
     match_length: int = 0  # n-gram drafts: the length of the matched suffix
-    tree: TokenTree | None = None  # several n-gram continuations as a tree (`tree.py`); `tokens` is its first path
+    tree: TokenTree | None = None  # n-gram continuations or a layer draft as a tree (`tree.py`); `tokens`: its first path
+    path_probs: tuple[float, ...] = ()  # a layer tree: per node, the draft's probability of the path to it
 
 
 TREE_BRANCHES = 4  # n-gram continuations a tree draws from
-LAYER_BRANCHES = 3  # a layer draft's tree: at each depth, the drafted token and up to 2 runners-up
+LAYER_BRANCHES = 3  # a layer tree: each level runs its 3 likeliest nodes, each proposing its 3 likeliest tokens
 
 
 class Drafter:
@@ -51,7 +54,7 @@ class Drafter:
     ) -> None:
         self.num_layers = num_layers
         self.ngram = plan.ngram
-        self.tree_nodes = plan.tree  # n-gram proposals may be token trees of up to this many nodes
+        self.tree_nodes = plan.tree  # a round may verify a token tree of up to this many nodes
         self.set_layers(plan.draft_layers(num_layers))
         self.head = head
         self.vocab = vocab
@@ -78,17 +81,20 @@ class Drafter:
         match, when the plan looks for one, comes first: it is free, and the
         policy says how much of it to verify; when that is nothing, the layers
         may draft. With the plan's `tree`, an n-gram proposal may be a tree of
-        several continuations.
+        several continuations, and the layers draft a tree (`layer_tree`)
+        wherever the policy finds a wider verify pass nearly as cheap.
         """
         copied = self.ngram_draft(tokens, policy, scorer, runner.parts.vocab_size, runner.positions.device)
         if copied is not None:
             return copied
+        if self.tree_nodes and self.has_layers and policy.tree_nodes(1, self.tree_nodes,
+                                                                     exact_prefix=self.exact_prefix) > 1:
+            return self.layer_tree(runner, scorer, tokens, policy)
         start = len(tokens) - 1
         drafted: list[int] = []
         confidences: list[float] = []
         probs: list[torch.Tensor] = []
         boundary: list[torch.Tensor] = []
-        runners_up: list[list[tuple[float, float, int]]] = []  # per depth: (p of the drafted token, p, token)
         token = tokens[-1]
         confidence = None
         while self.has_layers and policy.draft_next(len(drafted), confidence):
@@ -101,13 +107,71 @@ class Drafter:
                 confidences.append(confidence)
             if q is not None:
                 probs.append(q)
-            if self.tree_nodes:
-                runners_up.append(_runners_up(scores, token, LAYER_BRANCHES - 1))
-        draft = Draft(drafted, torch.stack(probs) if probs else None, boundary, confidences=confidences)
-        if runners_up and drafted:
-            nodes = policy.tree_nodes(len(drafted), self.tree_nodes, exact_prefix=self.exact_prefix)
-            draft.tree = _branch(drafted, runners_up, nodes)
-        return draft
+        return Draft(drafted, torch.stack(probs) if probs else None, boundary, confidences=confidences)
+
+    def layer_tree(self, runner: LayerRunner, scorer: Scorer, tokens: list[int], policy) -> Draft:
+        """A layer draft grown as a tree, level by level (EAGLE-2's expansion), as deep as `policy` says.
+
+        Each level is one pass of the plan's layers over the level's
+        `LAYER_BRANCHES` likeliest nodes (by the draft's probability of the
+        path to them), the first over the last token alone; each node
+        proposes its `LAYER_BRANCHES` likeliest next tokens. Where the draft is
+        sure, the likeliest paths go on down one branch; where it is unsure,
+        they split. The tree verified is the `policy.tree_nodes` likeliest
+        proposals (a parent is always likelier than its child, so they form
+        a tree), the likeliest path first. The policy decides each next level
+        from the share of the draft's probability the level kept (for a
+        chain: the drafted token's confidence), and learns how deep the kept
+        path went. The nodes' tokens are the draft's top choices, also when
+        sampling: the tree's acceptance rule takes any fixed candidates.
+        The draft's entries are written in the rows of its passes, beyond
+        the last token's; the verify pass writes every layer's anew.
+        """
+        start = len(tokens) - 1
+        layers = (*self.prefix_layers, *self.other_layers)  # what `step` runs: the plan's layers, or a head's
+        proposals: list[tuple[float, int, int, int]] = []  # (path probability, parent proposal or -1, token, depth)
+        ran: list[int] = []  # the proposals the passes ran, in their rows (1..; row 0 is the last token)
+        level = [-1]  # the proposals the next pass runs (-1: the last token)
+        coverage: float | None = None
+        confidences: list[float] = []  # per level: the share of its parents' probability it kept
+        depth = 0
+        # Every row a pass writes fits in the verify pass's room (the tree's node budget, plus the last token).
+        while len(ran) + (len(level) if depth else 0) <= self.tree_nodes and policy.draft_next(depth, coverage):
+            if not depth:
+                hidden = runner.run(runner.embed([tokens[-1]], start), layers, start)  # [1, 1, hidden]
+            else:
+                first_row = len(ran) + 1
+                ran += level
+                grown = TokenTree(tuple(proposals[i][2] for i in ran),
+                                  tuple(-1 if proposals[i][1] < 0 else ran.index(proposals[i][1]) for i in ran))
+                hidden = runner.embed([proposals[i][2] for i in level], start, grown, first_row)  # [1, w, hidden]
+                hidden = runner.run(hidden, layers, start, grown, first_row=first_row)
+            logits = runner.logits(hidden, self.vocab)  # [w, vocab]
+            if scorer.processors:  # each row conditioned on its own path
+                contexts = [tokens + _lineage(proposals, node) for node in level]
+                logits = torch.cat([scorer.scores(logits[j : j + 1], c, len(c)) for j, c in enumerate(contexts)])
+            top_p, top_tokens = torch.softmax(logits.float(), dim=-1).topk(LAYER_BRANCHES)  # [w, b]
+            reach = [1.0 if node < 0 else proposals[node][0] for node in level]
+            children = []
+            for j, node in enumerate(level):
+                for p, token in zip(top_p[j].tolist(), top_tokens[j].tolist()):
+                    children.append(len(proposals))
+                    proposals.append((reach[j] * p, node, token, depth + 1))
+            level = sorted(children, key=lambda c: -proposals[c][0])[:LAYER_BRANCHES]
+            coverage = sum(proposals[c][0] for c in level) / sum(reach)
+            confidences.append(coverage)
+            depth += 1
+        runner.cache.crop(start + 1, layers=layers)  # the verify pass writes the rest (a head: `fill_head`)
+        if not proposals:
+            return Draft([], None, [])
+        best = max(range(len(proposals)), key=lambda c: (proposals[c][3], proposals[c][0]))  # deepest, likeliest
+        nodes = max(depth, policy.tree_nodes(depth, self.tree_nodes, exact_prefix=self.exact_prefix))
+        chosen = sorted(range(len(proposals)), key=lambda c: (-proposals[c][0], c))[:nodes]
+        paths = [_lineage(proposals, best)] + [_lineage(proposals, c) for c in chosen if c != best]
+        tree = TokenTree.from_paths(paths, max_nodes=nodes)  # verified as a tree even when it is a chain
+        probability = {tuple(_lineage(proposals, c)): proposals[c][0] for c in range(len(proposals))}
+        path_probs = tuple(probability[tuple(tree.path_tokens(tree.path_to(i)))] for i in range(len(tree)))
+        return Draft(paths[0], None, [], confidences=confidences, tree=tree, path_probs=path_probs)
 
     def ngram_draft(self, tokens: list[int], policy, scorer: Scorer, vocab_size: int, device) -> Draft | None:
         """An n-gram proposal cut to the length `policy` finds worth verifying, or None (no match, or not worth it).
@@ -156,26 +220,10 @@ class Drafter:
         return runner.logits(hidden, self.vocab)
 
 
-def _runners_up(scores: torch.Tensor, chosen: int, count: int) -> list[tuple[float, float, int]]:
-    """The draft's `count` likeliest tokens other than `chosen`, from its scores `[1, vocab]`:
-    (p of `chosen`, p, token) each."""
-    p = torch.softmax(scores[0].float(), dim=-1)  # [vocab]
-    top_p, top_tokens = p.topk(count + 1)
-    p_chosen = float(p[chosen])
-    return [(p_chosen, float(pt), int(t)) for pt, t in zip(top_p.tolist(), top_tokens.tolist()) if t != chosen][:count]
-
-
-def _branch(chain: list[int], runners_up: list[list[tuple[float, float, int]]], nodes: int) -> TokenTree | None:
-    """The chain with its runners-up as leaves, the likeliest paths (by the draft's own probabilities, as
-    EAGLE-2 ranks them) first, `nodes` in all; None when no branch fits."""
-    if nodes <= len(chain):
-        return None
-    branches, reach = [], 1.0  # reach: the draft's probability of the chain up to this depth
-    for depth, options in enumerate(runners_up):
-        for p_chosen, p, token in options:
-            branches.append((reach * p, depth, token))
-        reach *= options[0][0] if options else 1.0
-    branches.sort(key=lambda b: -b[0])
-    paths = [chain] + [chain[:depth] + [token] for _, depth, token in branches[: nodes - len(chain)]]
-    tree = TokenTree.from_paths(paths, max_nodes=nodes)
-    return None if tree.is_chain else tree
+def _lineage(proposals: list[tuple[float, int, int, int]], node: int) -> list[int]:
+    """The tokens on the path from the root down to proposal `node` (empty for -1, the last token)."""
+    path = []
+    while node >= 0:
+        path.append(proposals[node][2])
+        node = proposals[node][1]
+    return path[::-1]

@@ -493,9 +493,10 @@ class SelfSpecModel:
         out.emit(tree.path_tokens(path) + [next_token])
         stats.record_round(drafted=len(tree), accepted=len(path), draft_seconds=draft_seconds,
                            verify_seconds=verify_seconds, source=f"{draft.source} tree")
-        # The policy learns from the tree's first path (the chain it would have verified): how far it was kept.
-        policy.observe(draft, tree.first_path_kept(path), draft_seconds=draft_seconds, verify_seconds=verify_seconds,
-                       width=len(tree) + 1)
+        # An n-gram tree teaches the policy how far its first path (the chain it would have verified) was kept; a
+        # layer tree, how deep its kept path went (its confidences are the share of probability each level kept).
+        kept = len(path) if draft.source == "layers" else tree.first_path_kept(path)
+        policy.observe(draft, kept, draft_seconds=draft_seconds, verify_seconds=verify_seconds, width=len(tree) + 1)
 
     def _check_prompts(self, input_ids, attention_mask) -> list[list[int]]:
         """Each row's prompt, its left padding removed; a clear error for anything else."""

@@ -73,10 +73,11 @@ class LayerRunner:
                 tables[kind] = self.parts.rotary(probe, position_ids=positions, **extra)
         return tables
 
-    def embed(self, token_ids: list[int] | torch.Tensor, start: int, tree: TokenTree | None = None) -> torch.Tensor:
+    def embed(self, token_ids: list[int] | torch.Tensor, start: int, tree: TokenTree | None = None,
+              first_row: int = 0) -> torch.Tensor:
         """`[1, q, hidden]` input embeddings of `token_ids` (a list, or `[1, q]` on the device) at start..start+q-1.
 
-        With a `tree` (`tree.py`), row r sits at start + its depth instead.
+        With a `tree` (`tree.py`), they are its rows first_row.. and row r sits at start + its depth instead.
         """
         if isinstance(token_ids, torch.Tensor):
             ids = token_ids  # [1, q]
@@ -84,26 +85,30 @@ class LayerRunner:
             ids = torch.tensor([token_ids], device=self.positions.device)  # [1, q]
         hidden = self.parts.embed(ids)
         if self.parts.position_embed is not None:  # learned absolute positions (GPT-2)
-            hidden = hidden + self.parts.position_embed(self.row_positions(start, ids.shape[1], tree)[None])
+            hidden = hidden + self.parts.position_embed(self.row_positions(start, ids.shape[1], tree, first_row)[None])
         return hidden
 
-    def row_positions(self, start: int, q: int, tree: TokenTree | None) -> torch.Tensor:
-        """`[q]` positions of q rows written from `start`: consecutive, or start + depth for a tree's rows."""
+    def row_positions(self, start: int, q: int, tree: TokenTree | None, first_row: int = 0) -> torch.Tensor:
+        """`[q]` positions of q rows written from `start`: consecutive, or start + depth for a tree's rows
+        first_row..first_row+q-1."""
         if tree is None:
             return self.positions[0, start : start + q]
-        return start + torch.tensor(tree.depths(), device=self.positions.device)
+        return start + torch.tensor(tree.depths()[first_row : first_row + q], device=self.positions.device)
 
-    def run(self, hidden: torch.Tensor, layers, start: int, tree: TokenTree | None = None, *, probe=None) -> torch.Tensor:
+    def run(self, hidden: torch.Tensor, layers, start: int, tree: TokenTree | None = None, *, probe=None,
+            first_row: int = 0) -> torch.Tensor:
         """Run `layers` in order on `hidden` `[1, q, hidden]` at positions start..start+q-1.
 
         Every layer in `layers` must hold exactly `start` cache entries. With a
-        `tree` (`tree.py`, q = its nodes + 1) row r is written at slot start + r
-        but sits at start + its depth and sees the prefix and its ancestors.
+        `tree` (`tree.py`) `hidden` holds its rows first_row..first_row+q-1
+        (all of them, q = its nodes + 1, by default; each layer must then hold
+        start + first_row entries, the rows before): row r is written at slot
+        start + r but sits at start + its depth and sees the prefix and its ancestors.
         `probe(layer, before, after)`, when given, sees each layer's input and
         output `[1, q, hidden]` (an auto plan's signal, `auto_layers.py`).
         """
         q = hidden.shape[1]
-        rows = self.row_positions(start, q, tree)  # [q]
+        rows = self.row_positions(start, q, tree, first_row)  # [q]
         position_ids = rows[None]  # [1, q]
         # A chain's rows are a range: slice the tables (views); a tree's are gathered.
         index = slice(start, start + q) if tree is None else rows
@@ -111,13 +116,13 @@ class LayerRunner:
         masks: dict[int | None, torch.Tensor | None] = {}
         with grouped_kv_attention(self.wide_pass_kernel(q)):
             for i in layers:
-                if self.cache.lengths[i] != start:
-                    raise RuntimeError(
-                        f"cache out of step: layer {i} holds {self.cache.lengths[i]} positions, expected {start}"
-                    )
+                if self.cache.lengths[i] != start + first_row:
+                    raise RuntimeError(f"cache out of step: layer {i} holds {self.cache.lengths[i]} positions, "
+                                       f"expected {start + first_row}")
                 window = self.windows[i]
                 if window not in masks:
-                    masks[window] = self.mask(q, start, window) if tree is None else self.tree_mask(tree, start, window)
+                    masks[window] = (self.mask(q, start, window) if tree is None
+                                     else self.tree_mask(tree, start, window, first_row, q))
                 before = hidden
                 hidden = self.call(
                     self.layers[i],
@@ -159,14 +164,17 @@ class LayerRunner:
             allowed &= key_pos > query_pos - window
         return self.as_mask(allowed)
 
-    def tree_mask(self, tree: TokenTree, start: int, window: int | None) -> torch.Tensor:
-        """`[1, 1, n+1, start+n+1]` mask for a tree's rows: the prefix, then each row's ancestors and itself."""
+    def tree_mask(self, tree: TokenTree, start: int, window: int | None, first_row: int = 0,
+                  q: int | None = None) -> torch.Tensor:
+        """`[1, 1, q, start+first_row+q]` mask for a tree's rows first_row..first_row+q-1 (default: all n+1
+        rows): each sees the prefix, then its ancestors and itself."""
         device = self.positions.device
-        visible = tree.visibility().to(device)  # [n+1, n+1]
+        end = len(tree) + 1 if q is None else first_row + q
+        visible = tree.visibility()[first_row:end, :end].to(device)  # [q, first_row + q]
         allowed = torch.cat([torch.ones(len(visible), start, dtype=torch.bool, device=device), visible], dim=1)
         if window is not None:
-            query_pos = self.row_positions(start, len(visible), tree)  # [n+1]
-            key_pos = torch.cat([self.positions[0, :start], query_pos])  # [start+n+1]
+            query_pos = self.row_positions(start, len(visible), tree, first_row)  # [q]
+            key_pos = torch.cat([self.positions[0, :start], self.row_positions(start, end, tree)])  # [start+end]
             allowed &= key_pos[None] > query_pos[:, None] - window
         return self.as_mask(allowed)
 

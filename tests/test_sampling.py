@@ -19,7 +19,8 @@ What is tested
    Plans: early exit, layer subsets, an exit head, and a head with a draft
    vocabulary of 6 of the 16 tokens (q is zero outside it, p is not), and
    n-gram token trees (a prompt where every token has two successors), a
-   head's draft as a tree (its runners-up as branches), and an auto plan
+   head's draft grown as a tree (a pass per level over its likeliest nodes,
+   with temperature and top-p), and an auto plan
    whose layers are re-chosen every round.
    An engine that always accepts the draft must fail the same check.
    A batch of two rows of other lengths (n-gram drafts, `batch.py`): each row's
@@ -476,12 +477,13 @@ CASES[AUTO_CASE] = (selfspec.DraftPlan(auto=True, draft_length=3), dict(temperat
                     LogitsProcessorList([]))
 COSTS[AUTO_CASE] = "flat"
 PATCHES = {AUTO_CASE: {"CHOOSE_EVERY": 1, "PROBE_EVERY": 1}}
-# A layer draft as a tree: the exit head's sampled chain, its runners-up as branches (recursive rejection).
-HEAD_TREE_CASE = "T=1, head drafts a tree (its runners-up as branches, <= 6 nodes), k=3"
+# A layer draft as a tree: the exit head's draft grown level by level (each level's likeliest nodes, their tokens
+# the draft's top choices after the warpers), verified by recursive rejection.
+HEAD_TREE_CASE = "T=0.8, top_p=0.9, head drafts a tree (levels of its likeliest nodes, <= 6 nodes), k=3"
 CASES[HEAD_TREE_CASE] = (
     lambda a: selfspec.DraftPlan(exit_layer=2, head=a["head"], tree=6, draft_length=3, policy="fixed"),
-    dict(temperature=1.0),
-    LogitsProcessorList([]),
+    dict(temperature=0.8, top_p=0.9),
+    LogitsProcessorList([TemperatureLogitsWarper(0.8), TopPLogitsWarper(0.9)]),
 )
 PROMPTS = {case: TREE_PROMPT for case in CASES if "trees" in case}
 STEPS = {case: "static" for case in CASES if case.startswith("static step")}

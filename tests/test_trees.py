@@ -165,15 +165,52 @@ def test_layer_drafts_branch_where_unsure_and_equal_generate():
         selfspec.DraftPlan(ngram=2, tree=-1)
 
 
-def test_branches_rank_by_the_drafts_path_probability():
-    from selfspec.draft import _branch
+def test_a_layer_tree_grows_from_the_drafts_own_choices_after_each_path():
+    """Each level of a layer tree is one pass over several nodes (tree rows): every node must be one of the
+    draft's 3 likeliest tokens after its path, with the path probability a chain draft of that path computes
+    (so each row saw its ancestors and nothing else); the likeliest path goes first and is as deep as the
+    policy allowed; the rows the draft wrote are dropped after."""
+    from types import SimpleNamespace
 
-    chain = [5, 6, 7]
-    runners_up = [[(0.5, 0.4, 8)], [(0.9, 0.05, 9)], [(0.6, 0.3, 4)]]  # (p of chain token, p, token) per depth
-    # path probabilities: depth 0: 0.4; depth 1: 0.5 * 0.05 = 0.025; depth 2: 0.5 * 0.9 * 0.3 = 0.135
-    tree = _branch(chain, runners_up, nodes=5)
-    assert tree.tokens == (5, 6, 7, 8, 4) and tree.parents == (-1, 0, 1, -1, 1)
-    assert _branch(chain, runners_up, nodes=3) is None  # no room beyond the chain
+    from selfspec.draft import LAYER_BRANCHES
+    from selfspec.scoring import Scorer
+
+    class ThreeLevels:  # the policy: three levels, the plan's node budget
+        def draft_next(self, depth, coverage):
+            return depth < 3
+
+        def tree_nodes(self, chain, max_nodes, *, exact_prefix=0):
+            return max_nodes
+
+    scorer = Scorer(SimpleNamespace(processors=None, do_sample=False), None)
+    for arch in ("llama", "gemma3_text", "gpt2"):
+        model = model_for(arch)
+        spec = selfspec.wrap(model, plan=selfspec.DraftPlan(layers=[0, 2, 5], tree=10, draft_length=4))
+        parts, drafter = spec.parts, spec.drafter
+        prompt = random_prompt(12, seed=5)[0].tolist()
+
+        def prefilled() -> LayerRunner:
+            runner = LayerRunner(parts, capacity=64)
+            TargetPasses(parts.num_layers, exact_prefix=0).prefill(runner, prompt[:-1])
+            return runner
+
+        runner = prefilled()
+        with torch.no_grad():
+            draft = drafter.propose(runner, scorer, prompt, ThreeLevels())
+        tree = draft.tree
+        assert len(tree) == 10 and draft.tokens == tree.path_tokens([0, 1, 2]) and len(draft.confidences) == 3
+        assert set(runner.cache.lengths) == {len(prompt) - 1, len(prompt)}  # the last token's draft entry at most
+        deepest = [node for node, depth in enumerate(tree.depths()[1:]) if depth == 3]
+        assert draft.path_probs[2] == max(draft.path_probs[node] for node in deepest)  # the likeliest path first
+        for node in range(len(tree)):
+            path = tree.path_tokens(tree.path_to(node))
+            chain, probability = prefilled(), 1.0
+            for i, token in enumerate([prompt[-1], *path[:-1]]):
+                with torch.no_grad():
+                    p = torch.softmax(drafter.step(chain, token, len(prompt) - 1 + i)[0], dim=-1)  # [vocab]
+                probability *= float(p[path[i]])
+            assert path[-1] in p.topk(LAYER_BRANCHES).indices.tolist(), (arch, node, path)
+            assert abs(draft.path_probs[node] - probability) < 1e-9, (arch, node, draft.path_probs[node], probability)
 
 
 def test_costly_wide_passes_keep_trees_off():
