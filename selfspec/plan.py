@@ -30,10 +30,10 @@ cost; otherwise the plan's layers draft. With `ngram` set, the layers may be
 left out (then a round without a match is a plain step).
 
 `tree=N` lets a round verify a token tree of up to N nodes instead of a chain
-(`tree.py`): several n-gram continuations, or a layer draft with its
-runner-up tokens as branches where the draft was unsure (the eager step).
-The cost policy adds branches only while the wider pass costs about what the
-chain's does.
+(`tree.py`): several n-gram continuations, or a layer draft grown level by
+level over its likeliest nodes, so that it branches where the draft is
+unsure (the eager step). The cost policy adds branches only while the wider
+pass costs about what the chain's does.
 
 Two optional artifacts make the layer draft better or cheaper (each a path
 to a manifest, resolved against the plan file's folder when loaded from one):
