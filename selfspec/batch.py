@@ -190,8 +190,10 @@ class BatchRunner(LayerRunner):
                     allowed = keys[None, None] <= slots[:, :, None]  # [r, q, span]
                     if window is not None:
                         allowed &= keys[None, None] > slots[:, :, None] - window
-                    # One row at one position sees every key of its span: no mask (the kernel one-token steps use).
-                    masks[window] = None if r == 1 and q == 1 and window is None else self.row_mask(allowed)
+                    # One row at one position sees every key of its span, and one row's prefill is causal: no mask
+                    # (the kernels that one-token steps and prefills use).
+                    alone = r == 1 and ((q == 1 and window is None) or self.causal_prefill(starts[0], q, window))
+                    masks[window] = None if alone else self.row_mask(allowed)
                 hidden = self.call(self.layers[i], hidden, mask=masks[window],
                                    position_embeddings=rotary.get(self.rotary_kinds[i]), position_ids=slots, cache=cache)
         for j, start in enumerate(starts):

@@ -136,6 +136,16 @@ class LayerRunner:
                     probe(i, before, hidden)
         return hidden
 
+    def causal_prefill(self, start: int, q: int, window: int | None) -> bool:
+        """Whether a pass can go without a mask: q > 1 queries from position 0, under sdpa, within any window.
+
+        transformers' sdpa then runs the kernel's own causal attention, as
+        `model.generate`'s prefill does: it skips the masked half of a long
+        prompt's attention (SmolLM2, 868 tokens: 0.52 s against 0.62 s in
+        bfloat16, 1.33 against 1.44 s in float32). Eager attention needs the mask.
+        """
+        return start == 0 and q > 1 and self.bool_masks and (window is None or q <= window)
+
     def wide_pass_kernel(self, q: int) -> bool:
         """Whether a pass over `q` queries should hand grouped K/V heads to the kernel as they are (see
         `grouped_kv_attention`): a masked pass over several queries, on the CPU, with sdpa."""
@@ -153,9 +163,12 @@ class LayerRunner:
         return soft_cap(self.parts.lm_head(self.parts.norm(hidden))[0], cap).float()
 
     def mask(self, q: int, start: int, window: int | None) -> torch.Tensor | None:
-        """Attention mask for q queries at start.. over start + q keys; None when nothing is hidden."""
+        """Attention mask for q queries at start.. over start + q keys; None when nothing is hidden, or for a
+        prefill from position 0 under sdpa (see `causal_prefill`)."""
         kv = start + q
         if q == 1 and (window is None or kv <= window):
+            return None
+        if self.causal_prefill(start, q, window):
             return None
         query_pos = self.positions[0, start:kv, None]  # [q, 1]
         key_pos = self.positions[0, None, :kv]  # [1, kv]
