@@ -59,7 +59,7 @@ from .output import Clock, Output
 from .parts import ModelParts, soft_cap
 from .plan import DraftPlan
 from .policy import AcceptanceEstimates, Calibration
-from .runner import LayerRunner, grouped_kv_attention
+from .runner import LayerRunner
 from .scoring import Scorer
 from .stats import BatchStats, GenerationStats
 
@@ -181,21 +181,20 @@ class BatchRunner(LayerRunner):
         if self.parts.position_embed is not None:  # learned absolute positions (GPT-2)
             hidden = hidden + self.parts.position_embed(slots)
         rotary = {kind: tuple(t[0][slots] for t in table) for kind, table in self.rotary.items()}  # [r, q, dim]
-        masks: dict[int | None, torch.Tensor] = {}
         keys = torch.arange(cache.span, device=device)  # [span]
-        with grouped_kv_attention(self.wide_pass_kernel(q)):
-            for i in range(self.parts.num_layers):
-                window = self.windows[i]
-                if window not in masks:
-                    allowed = keys[None, None] <= slots[:, :, None]  # [r, q, span]
-                    if window is not None:
-                        allowed &= keys[None, None] > slots[:, :, None] - window
-                    # One row at one position sees every key of its span, and one row's prefill is causal: no mask
-                    # (the kernels that one-token steps and prefills use).
-                    alone = r == 1 and ((q == 1 and window is None) or self.causal_prefill(starts[0], q, window))
-                    masks[window] = None if alone else self.row_mask(allowed)
-                hidden = self.call(self.layers[i], hidden, mask=masks[window],
-                                   position_embeddings=rotary.get(self.rotary_kinds[i]), position_ids=slots, cache=cache)
+
+        def mask_for(window: int | None) -> torch.Tensor | None:
+            # One row at one position sees every key of its span, and one row's prefill is causal: no mask (the
+            # kernels that one-token steps and prefills use).
+            if r == 1 and ((q == 1 and window is None) or self.causal_prefill(starts[0], q, window)):
+                return None
+            allowed = keys[None, None] <= slots[:, :, None]  # [r, q, span]
+            if window is not None:
+                allowed &= keys[None, None] > slots[:, :, None] - window
+            return self.row_mask(allowed)
+
+        hidden = self.run_layers(hidden, range(self.parts.num_layers), mask_for=mask_for, rotary=rotary,
+                                 position_ids=slots)
         for j, start in enumerate(starts):
             cache.lengths[rows.start + j] = start + q
         if last:

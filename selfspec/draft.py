@@ -169,8 +169,11 @@ class Drafter:
         chosen = sorted(range(len(proposals)), key=lambda c: (-proposals[c][0], c))[:nodes]
         paths = [_lineage(proposals, best)] + [_lineage(proposals, c) for c in chosen if c != best]
         tree = TokenTree.from_paths(paths, max_nodes=nodes)  # verified as a tree even when it is a chain
-        probability = {tuple(_lineage(proposals, c)): proposals[c][0] for c in range(len(proposals))}
-        path_probs = tuple(probability[tuple(tree.path_tokens(tree.path_to(i)))] for i in range(len(tree)))
+        child = {(parent, token): c for c, (_, parent, token, _) in enumerate(proposals)}
+        source: list[int] = []  # node i's proposal: its parent's proposal's child with its token
+        for token, parent in zip(tree.tokens, tree.parents):
+            source.append(child[(source[parent] if parent >= 0 else -1, token)])
+        path_probs = tuple(proposals[c][0] for c in source)
         return Draft(paths[0], None, [], confidences=confidences, tree=tree, path_probs=path_probs)
 
     def ngram_draft(self, tokens: list[int], policy, scorer: Scorer, vocab_size: int, device) -> Draft | None:

@@ -113,25 +113,38 @@ class LayerRunner:
         # A chain's rows are a range: slice the tables (views); a tree's are gathered.
         index = slice(start, start + q) if tree is None else rows
         rotary = {kind: tuple(t[:, index] for t in table) for kind, table in self.rotary.items()}
+        for i in layers:
+            if self.cache.lengths[i] != start + first_row:
+                raise RuntimeError(f"cache out of step: layer {i} holds {self.cache.lengths[i]} positions, "
+                                   f"expected {start + first_row}")
+
+        def mask_for(window: int | None) -> torch.Tensor | None:
+            if tree is None:
+                return self.mask(q, start, window)
+            return self.tree_mask(tree, start, window, first_row, q)
+
+        return self.run_layers(hidden, layers, mask_for=mask_for, rotary=rotary, position_ids=position_ids,
+                               probe=probe)
+
+    def run_layers(self, hidden: torch.Tensor, layers, *, mask_for, rotary: dict, position_ids: torch.Tensor,
+                   probe=None) -> torch.Tensor:
+        """The layer loop every runner shares: `layers` in order on `hidden` `[r, q, hidden]`, over the cache.
+
+        `mask_for(window)` makes the attention mask for a sliding window (None:
+        none), once per window a pass meets; `rotary` holds the (cos, sin) per
+        layer type; `probe` as `run`'s. A pass over several queries runs with
+        `grouped_kv_attention` where `wide_pass_kernel` says so.
+        """
         masks: dict[int | None, torch.Tensor | None] = {}
-        with grouped_kv_attention(self.wide_pass_kernel(q)):
+        with grouped_kv_attention(self.wide_pass_kernel(hidden.shape[1])):
             for i in layers:
-                if self.cache.lengths[i] != start + first_row:
-                    raise RuntimeError(f"cache out of step: layer {i} holds {self.cache.lengths[i]} positions, "
-                                       f"expected {start + first_row}")
                 window = self.windows[i]
                 if window not in masks:
-                    masks[window] = (self.mask(q, start, window) if tree is None
-                                     else self.tree_mask(tree, start, window, first_row, q))
+                    masks[window] = mask_for(window)
                 before = hidden
-                hidden = self.call(
-                    self.layers[i],
-                    hidden,
-                    mask=masks[window],
-                    position_embeddings=rotary.get(self.rotary_kinds[i]),
-                    position_ids=position_ids,
-                    cache=self.cache,
-                )
+                hidden = self.call(self.layers[i], hidden, mask=masks[window],
+                                   position_embeddings=rotary.get(self.rotary_kinds[i]), position_ids=position_ids,
+                                   cache=self.cache)
                 if probe is not None:
                     probe(i, before, hidden)
         return hidden

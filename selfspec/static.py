@@ -124,26 +124,14 @@ class StaticRunner(LayerRunner):
         self.cache.write_positions = slots
         self.cache.span = self.span(start, width)
         rotary = {kind: (cos[:, positions], sin[:, positions]) for kind, (cos, sin) in self.rotary.items()}
-        masks: dict[int | None, torch.Tensor] = {}
-        for i in layers:
-            window = self.windows[i]
-            if window not in masks:
-                if tree_rows is None:
-                    masks[window] = self.capacity_mask(positions, window)
-                else:
-                    masks[window] = self.tree_capacity_mask(start, *tree_rows, window)
-            before = hidden
-            hidden = self.call(
-                self.layers[i],
-                hidden,
-                mask=masks[window],
-                position_embeddings=rotary.get(self.rotary_kinds[i]),
-                position_ids=positions[None],
-                cache=self.cache,
-            )
-            if probe is not None:
-                probe(i, before, hidden)
-        return hidden
+
+        def mask_for(window: int | None) -> torch.Tensor:
+            if tree_rows is None:
+                return self.capacity_mask(positions, window)
+            return self.tree_capacity_mask(start, *tree_rows, window)
+
+        return self.run_layers(hidden, layers, mask_for=mask_for, rotary=rotary, position_ids=positions[None],
+                               probe=probe)
 
     def span(self, start, width: int) -> int:
         """How many cache positions a pass attends to: those in use, rounded up (all of them when captured)."""
