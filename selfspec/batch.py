@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptance import accept_greedy, accept_sampling
+from .cpu_kernels import NO_CHANGE, LinearOrientation, cpu_kernels
 from .costs import MEASURE_CONTEXT, PassCosts, RuntimeCosts, fastest, interpolate, long_context, machine_description
 from .draft import Draft
 from .hf_generation import GenerationSettings
@@ -269,8 +270,10 @@ class BatchSession:
     """
 
     def __init__(self, parts: ModelParts, plan: DraftPlan, *, settings_for: Callable[..., GenerationSettings],
-                 costs_for: Callable[[int, bool], RuntimeCosts], check_context: Callable[[int, int], None]) -> None:
+                 costs_for: Callable[[int, bool], RuntimeCosts], check_context: Callable[[int, int], None],
+                 linear: LinearOrientation = NO_CHANGE) -> None:
         self.parts = parts
+        self.linear = linear  # how the linear layers run here (`cpu_kernels.py`), for every pass of the session
         self.ngram = plan.ngram
         self.max_draft = plan.draft_length if plan.ngram else 0
         self.acceptance = AcceptanceEstimates(prior=plan.target_acceptance)  # every row's n-gram outcomes
@@ -289,20 +292,31 @@ class BatchSession:
     def prepare(self, max_rows: int) -> None:
         """Measure (or load) the batched pass costs for 1..max_rows rows now, not in a request's first round."""
         if self.max_draft:
-            for rows in range(1, max_rows + 1):
-                self.costs_for(rows, True)
+            with cpu_kernels(linear=self.linear):
+                for rows in range(1, max_rows + 1):
+                    self.costs_for(rows, True)
 
     def kv_cache_bytes(self) -> int:
         return 0 if self.runner is None else self.runner.cache.nbytes()
 
-    @torch.no_grad()
-    def add(self, prompt: list[int], *, streamer=None, stopping_criteria=None, logits_processor=None,
-            generation_config=None, tokenizer=None, generator: torch.Generator | None = None, **kwargs) -> BatchRow:
-        """A new row: its settings (kwargs as `generate` takes them), its prefill and its first token.
+    def add(self, prompt: list[int], **options) -> BatchRow:
+        """A new row: its settings (`options` as `generate` takes them: `max_new_tokens`, `streamer`,
+        `stopping_criteria`, `logits_processor`, `generation_config`, `tokenizer`, `generator`, ...), its
+        prefill and its first token.
 
         A row that is done at once (`max_new_tokens=1`, or EOS first) is
         returned finished and does not join.
         """
+        with torch.no_grad(), cpu_kernels(linear=self.linear):
+            return self._add(prompt, **options)
+
+    def step(self) -> list[BatchRow]:
+        """One round for every row; returns the rows that finished in it (they have left the batch)."""
+        with torch.no_grad(), cpu_kernels(linear=self.linear):
+            return self._step()
+
+    def _add(self, prompt: list[int], *, streamer=None, stopping_criteria=None, logits_processor=None,
+             generation_config=None, tokenizer=None, generator: torch.Generator | None = None, **kwargs) -> BatchRow:
         self.check_context(len(prompt), None)
         settings = self.settings_for(prompt, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                                      generation_config=generation_config, tokenizer=tokenizer, kwargs=kwargs)
@@ -330,9 +344,7 @@ class BatchSession:
             self._finish([row])
         return row
 
-    @torch.no_grad()
-    def step(self) -> list[BatchRow]:
-        """One round for every row; returns the rows that finished in it (they have left the batch)."""
+    def _step(self) -> list[BatchRow]:
         if not self.rows:
             return []
         clock = Clock(self.parts.device)

@@ -50,9 +50,9 @@ from .loading import default_cache_dir
 COSTS_FORMAT = "selfspec.costs/2"
 MEASURE_CONTEXT = 48  # tokens already in the cache while timing
 LONG_CONTEXT = 1024  # ... and a second time: how a pass's cost grows with the context
-# Raised when the way selfspec runs a pass changes what it costs (2: wide passes hand grouped K/V heads to the
-# kernel, batched caches written by indexed assignment), so tables timed before are measured anew.
-PASS_KERNELS = 2
+# Raised when the way selfspec runs a pass changes what it costs (2: batched caches written by indexed assignment;
+# 3: grouped query heads folded into one attention call, `cpu_kernels.py`), so tables timed before are measured anew.
+PASS_KERNELS = 3
 FLAT_UP_TO = 16  # the "flat" profile: a pass over up to this many tokens costs one step
 
 
@@ -315,12 +315,16 @@ def costs_cache_dir() -> Path | None:
     return Path(explicit).expanduser() if explicit else default_cache_dir() / "costs"
 
 
-def load_or_measure(folder: Path | None, key: str, measure: Callable[[], PassCosts]) -> PassCosts:
-    """The table cached under `folder/key.json`, else measured now (and cached when `folder` is given)."""
+def load_or_measure(folder: Path | None, key: str, measure: Callable[[], Any], *, kind: type = None) -> Any:
+    """The table cached under `folder/key.json`, else measured now (and cached when `folder` is given).
+
+    `kind`: what the file holds (default `PassCosts`; anything with `to_dict` and `from_dict`)."""
+    kind = PassCosts if kind is None else kind
     path = folder / f"{key}.json" if folder is not None else None
     if path is not None and path.is_file():
         try:
-            return dataclasses.replace(PassCosts.from_dict(json.loads(path.read_text())), source="cached")
+            loaded = kind.from_dict(json.loads(path.read_text()))
+            return dataclasses.replace(loaded, source="cached") if kind is PassCosts else loaded
         except (ValueError, KeyError, TypeError, json.JSONDecodeError):
             pass  # a damaged or older file: measure again and overwrite it
     costs = measure()
@@ -328,7 +332,7 @@ def load_or_measure(folder: Path | None, key: str, measure: Callable[[], PassCos
     return costs
 
 
-def save_costs(folder: Path | None, key: str, costs: PassCosts) -> None:
+def save_costs(folder: Path | None, key: str, costs: Any) -> None:
     """Write `folder/key.json` in one rename; a read-only folder only costs a measurement next time."""
     if folder is None:
         return

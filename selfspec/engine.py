@@ -39,6 +39,7 @@ from .costs import (
     measure_pass_costs,
     save_costs,
 )
+from .cpu_kernels import NO_CHANGE, LinearOrientation, cpu_kernels, measure_linear_orientation
 from .draft import Draft, Drafter
 from .head import ExitHead, load_head
 from .hf_generation import GenerationSettings, resolve_settings
@@ -128,6 +129,7 @@ class SelfSpecModel:
         self.injected_costs = self._injected(costs)
         self.measured_costs: dict[tuple, RuntimeCosts] = {}  # by (threads, device): a table, refined by the rounds
         self.batch_costs: dict[tuple, RuntimeCosts] = {}  # by (threads, device, rows): batched passes (`batch.py`)
+        self.orientations: dict[int, LinearOrientation] = {}  # by threads: the linear layers' (`cpu_kernels.py`)
         self.step = self._resolve_step(step)
         self.graphed: GraphedRunner | None = None  # kept across generations: its graphs hold its cache's addresses
         self.last_stats: GenerationStats | BatchStats | None = None
@@ -200,16 +202,17 @@ class SelfSpecModel:
         def measure() -> PassCosts:
             if self.plan.auto:  # an auto plan's table times its reference set (`auto_layers.py` scales from it)
                 self.drafter.set_layers(self.plan.draft_layers(self.parts.num_layers))
-            return measure_pass_costs(
-                lambda capacity: self._runner(capacity, keep=False),
-                draft_step if self.drafter.has_layers else None,
-                num_layers=self.parts.num_layers,
-                vocab_size=self.parts.vocab_size,
-                max_width=self.max_width,
-                repeats=repeats,
-                bucketed=self.step != "eager",  # the static step pads a pass to its bucket
-                max_positions=self.parts.max_positions,
-            )
+            with cpu_kernels(linear=self.linear_orientation()):
+                return measure_pass_costs(
+                    lambda capacity: self._runner(capacity, keep=False),
+                    draft_step if self.drafter.has_layers else None,
+                    num_layers=self.parts.num_layers,
+                    vocab_size=self.parts.vocab_size,
+                    max_width=self.max_width,
+                    repeats=repeats,
+                    bucketed=self.step != "eager",  # the static step pads a pass to its bucket
+                    max_positions=self.parts.max_positions,
+                )
 
         if not cached:
             return measure()
@@ -246,8 +249,24 @@ class SelfSpecModel:
             threads=torch.get_num_threads(),
             machine=machine_description(device),
             max_width=self.max_width,
+            linear=self.linear_orientation().to_dict(),  # the kernels the passes ran with
             **extra,
         )
+
+    def linear_orientation(self) -> LinearOrientation:
+        """How the linear layers run their passes here (`cpu_kernels.py`): measured once per machine, model,
+        dtype and thread count on the CPU (cached on disk with the cost tables); unchanged elsewhere."""
+        if self.parts.device.type != "cpu" or self.quantization is not None:
+            return NO_CHANGE
+        threads = torch.get_num_threads()
+        if threads not in self.orientations:
+            key = cache_key(kind="linear orientation", model=model_identity(self.model, self.parts),
+                            dtype=str(self.parts.dtype), threads=threads, machine=machine_description(self.parts.device))
+            modules = [*self.parts.layers.modules(), self.parts.lm_head]
+            self.orientations[threads] = load_or_measure(costs_cache_dir(), key,
+                                                         lambda: measure_linear_orientation(modules),
+                                                         kind=LinearOrientation)
+        return self.orientations[threads]
 
     def _policy(self, settings: GenerationSettings) -> CostPolicy | AdaptivePolicy:
         if self.plan.policy == "fixed" or not self.plan.drafts:
@@ -316,7 +335,8 @@ class SelfSpecModel:
         self._check_context(len(prompt), settings.max_new_tokens)
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        tokens, self.last_stats = self._decode(prompt, settings, streamer, generator)
+        with cpu_kernels(linear=self.linear_orientation()):
+            tokens, self.last_stats = self._decode(prompt, settings, streamer, generator)
         if streamer is not None:
             streamer.end()
         sequences = torch.tensor([tokens], dtype=torch.long, device=input_ids.device)  # int64, as transformers
@@ -332,7 +352,7 @@ class SelfSpecModel:
         that finished.
         """
         return BatchSession(self.parts, self.plan, settings_for=self._row_settings, costs_for=self._batch_costs,
-                            check_context=self._check_context)
+                            check_context=self._check_context, linear=self.linear_orientation())
 
     def _row_settings(self, prompt: list[int], *, logits_processor, stopping_criteria, kwargs,
                       generation_config=None, tokenizer=None) -> GenerationSettings:

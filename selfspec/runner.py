@@ -27,12 +27,10 @@ it does not know plans, acceptance or sampling.
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import torch
 
 from .cache import SharedKVCache
+from .cpu_kernels import cpu_kernels
 from .parts import ModelParts, soft_cap
 from .tree import TokenTree
 from .vocab import DraftVocab
@@ -133,10 +131,10 @@ class LayerRunner:
         `mask_for(window)` makes the attention mask for a sliding window (None:
         none), once per window a pass meets; `rotary` holds the (cos, sin) per
         layer type; `probe` as `run`'s. A pass over several queries runs with
-        `grouped_kv_attention` where `wide_pass_kernel` says so.
+        the packed attention (`cpu_kernels.packed_gqa_sdpa`) where `wide_pass_kernel` says so.
         """
         masks: dict[int | None, torch.Tensor | None] = {}
-        with grouped_kv_attention(self.wide_pass_kernel(hidden.shape[1])):
+        with cpu_kernels(attention=self.wide_pass_kernel(hidden.shape[1])):
             for i in layers:
                 window = self.windows[i]
                 if window not in masks:
@@ -161,7 +159,7 @@ class LayerRunner:
 
     def wide_pass_kernel(self, q: int) -> bool:
         """Whether a pass over `q` queries should hand grouped K/V heads to the kernel as they are (see
-        `grouped_kv_attention`): a masked pass over several queries, on the CPU, with sdpa."""
+        `cpu_kernels.packed_gqa_sdpa`): a masked pass over several queries, on the CPU, with sdpa."""
         return q > 1 and self.bool_masks and self.positions.device.type == "cpu"
 
     def logits(self, hidden: torch.Tensor, vocab: DraftVocab | None = None) -> torch.Tensor:
@@ -210,35 +208,3 @@ class LayerRunner:
             return allowed[None, None]
         additive = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
         return additive.masked_fill(~allowed, torch.finfo(self.dtype).min)[None, None]
-
-
-GROUPED_KV_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"  # transformers' own switch, read at every sdpa attention call
-
-
-@contextlib.contextmanager
-def grouped_kv_attention(active: bool):
-    """While `active`, transformers' sdpa attention passes grouped K/V heads to the kernel as they are
-    (`enable_gqa`) rather than copying each K/V head once per query head it serves (`repeat_kv`).
-
-    transformers makes that copy for every masked pass over more than one
-    query. On the CPU, for a pass over a few tokens at a long context, the
-    copy is most of the attention's cost (8 rows x 2 tokens at 1,024
-    entries, SmolLM2, measured on an AVX512 CPU: 2.5 ms a layer against 1.4). The kernel computes the
-    same sums (bit-identical outputs in our checks); only the copy goes. A
-    one-query pass is left alone: transformers folds its heads, which is
-    faster still. The switch is an environment variable, so it is
-    process-wide while set (a call elsewhere in the process at that moment
-    may take the same kernel, with the same result); it is restored after.
-    """
-    if not active:
-        yield
-        return
-    before = os.environ.get(GROUPED_KV_SWITCH)
-    os.environ[GROUPED_KV_SWITCH] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(GROUPED_KV_SWITCH, None)
-        else:
-            os.environ[GROUPED_KV_SWITCH] = before

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -127,52 +125,3 @@ def test_model_unchanged_by_wrap_generate_and_failures(arch):
     # And the wrapper still works after the failures.
     ref = model.generate(prompt, max_new_tokens=15, do_sample=False)
     assert torch.equal(spec.generate(prompt, max_new_tokens=15), ref)
-
-
-def test_wide_passes_hand_grouped_kv_heads_to_the_kernel_and_compute_the_same(monkeypatch):
-    """On the CPU a masked pass over several queries runs sdpa with `enable_gqa` (no copy of K/V per query
-    head), a one-query pass as transformers runs it; the logits are those of the copying path; the switch
-    (an environment variable) is restored after."""
-    from selfspec.batch import BatchRunner
-    from selfspec.runner import GROUPED_KV_SWITCH, grouped_kv_attention
-
-    monkeypatch.setenv(GROUPED_KV_SWITCH, "0")
-    with grouped_kv_attention(True):
-        assert os.environ[GROUPED_KV_SWITCH] == "1"
-    assert os.environ[GROUPED_KV_SWITCH] == "0"
-    monkeypatch.delenv(GROUPED_KV_SWITCH)
-    with grouped_kv_attention(True):
-        pass
-    assert GROUPED_KV_SWITCH not in os.environ
-
-    model = tiny_model("llama", dtype=torch.float32)
-    assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped K/V heads
-    parts = selfspec.wrap(model).parts
-    calls = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def spy(query, key, value, **kwargs):
-        calls.append((query.shape[2], kwargs.get("enable_gqa", False)))
-        return sdpa(query, key, value, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-
-    def logits(wide_kernel: bool) -> torch.Tensor:
-        runner = BatchRunner(parts, capacity=32)
-        runner.wide_pass_kernel = lambda q: wide_kernel and q > 1
-        for prompt in ([5, 9, 2, 7], [3, 8]):  # rows at different lengths: the pass needs a mask
-            row = runner.cache.add_row()
-            runner.forward_rows(torch.tensor([prompt]), [0], slice(row, row + 1))
-        calls.clear()  # a prefill goes unmasked, transformers' causal kernel (grouped heads without a copy anyway)
-        step = runner.forward_rows(torch.tensor([[1], [4]]), [4, 2], slice(0, 2))  # [2, 1, vocab]
-        return torch.cat([step, runner.forward_rows(torch.tensor([[6, 2, 11], [7, 7, 3]]), [5, 3], slice(0, 2))], 1)
-
-    with torch.no_grad():
-        copied = logits(False)
-        assert calls and not any(gqa for _, gqa in calls)
-        calls.clear()
-        grouped = logits(True)
-    # The 3-token pass goes grouped; the one-token pass as transformers runs it, its query heads folded into 2
-    # queries per K/V head.
-    assert {(q, gqa) for q, gqa in calls} == {(2, False), (3, True)}
-    assert torch.equal(grouped, copied)

@@ -1,0 +1,155 @@
+"""The CPU kernel choices (`cpu_kernels.py`): grouped query heads folded into one attention call, and the linear
+layers' GEMM orientation. Each computes what transformers computes, only in the thread that chose it, and
+greedy output stays token-identical to `model.generate`."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+import selfspec
+from selfspec import cpu_kernels
+from selfspec.cpu_kernels import (LINEAR_ROWS, NO_CHANGE, LinearOrientation, measure_linear_orientation,
+                                  oriented_linear, packed_gqa_sdpa, transposed_linear)
+from selfspec.testing import TINY_CONFIGS, random_prompt, tiny_model
+
+ARCHS = sorted(TINY_CONFIGS)
+EVERYWHERE = LinearOrientation(LINEAR_ROWS, (True,) * len(LINEAR_ROWS))
+
+
+def test_the_functions_are_swapped_only_while_a_thread_is_inside():
+    linear, sdpa_entry = torch.nn.functional.linear, ALL_ATTENTION_FUNCTIONS["sdpa"]
+    assert linear is not oriented_linear and sdpa_entry is not packed_gqa_sdpa
+    with cpu_kernels.cpu_kernels(attention=True, linear=EVERYWHERE):
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is packed_gqa_sdpa
+        assert torch.nn.functional.linear is oriented_linear
+        with cpu_kernels.cpu_kernels(attention=False):  # nested: the inner choice, then the outer one again
+            assert not cpu_kernels._state.attention and cpu_kernels._state.linear is EVERYWHERE
+        assert cpu_kernels._state.attention
+    assert torch.nn.functional.linear is linear and ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_entry
+    assert cpu_kernels._inside == 0
+
+
+def test_wide_passes_fold_grouped_query_heads_into_one_kernel_call_and_compute_the_same(monkeypatch):
+    """On the CPU a masked pass over several queries runs sdpa once over the K/V heads as they are, the query
+    heads that share one folded into its query length (no copy of K/V per query head); a one-query pass as
+    transformers runs it; the logits are those of transformers' copying path."""
+    from selfspec.batch import BatchRunner
+
+    model = tiny_model("llama", dtype=torch.float32)
+    kv_heads, heads = model.config.num_key_value_heads, model.config.num_attention_heads
+    groups = heads // kv_heads
+    assert groups == 2  # grouped K/V heads
+    parts = selfspec.wrap(model).parts
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, **kwargs):
+        calls.append((query.shape[2], key.shape[1], kwargs.get("enable_gqa", False)))
+        return sdpa(query, key, value, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+
+    def logits(wide_kernel: bool) -> torch.Tensor:
+        runner = BatchRunner(parts, capacity=32)
+        runner.wide_pass_kernel = lambda q: wide_kernel and q > 1
+        for prompt in ([5, 9, 2, 7], [3, 8]):  # rows at different lengths: the pass needs a mask
+            row = runner.cache.add_row()
+            runner.forward_rows(torch.tensor([prompt]), [0], slice(row, row + 1))
+        calls.clear()  # a prefill goes unmasked, transformers' causal kernel
+        step = runner.forward_rows(torch.tensor([[1], [4]]), [4, 2], slice(0, 2))  # [2, 1, vocab]
+        return torch.cat([step, runner.forward_rows(torch.tensor([[6, 2, 11], [7, 7, 3]]), [5, 3], slice(0, 2))], 1)
+
+    with torch.no_grad():
+        copied = logits(False)
+        assert (3, heads, False) in calls  # transformers' path: K/V copied once per query head
+        calls.clear()
+        packed = logits(True)
+    # The 3-token pass: each K/V head's 2 query heads folded into 6 queries; the one-token pass as transformers
+    # runs it, its query heads folded into 2 queries per K/V head. Neither copies K/V nor asks for enable_gqa.
+    assert set(calls) == {(groups, kv_heads, False), (3 * groups, kv_heads, False)}
+    torch.testing.assert_close(packed, copied, rtol=0, atol=1e-5)
+
+
+def test_transposed_linear_computes_what_linear_computes():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, dtype=torch.float64, generator=generator)
+    weight = torch.randn(7, 5, dtype=torch.float64, generator=generator)
+    bias = torch.randn(7, dtype=torch.float64, generator=generator)
+    for b in (None, bias):
+        out = transposed_linear(x, weight, b)
+        assert out.shape == (2, 3, 7) and out.is_contiguous()
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), rtol=0, atol=1e-12)
+
+
+def test_an_orientation_covers_the_rows_between_its_measured_ones_and_none_beyond():
+    orientation = LinearOrientation((1, 2, 4, 8), (False, True, False, True))
+    assert [orientation(m) for m in (1, 2, 3, 4, 7, 8, 64)] == [False, True, True, False, False, True, True]
+    assert not orientation(LINEAR_ROWS[-1] + 1)  # a prefill runs as transformers runs it
+    assert LinearOrientation.from_dict(orientation.to_dict()) == orientation
+    assert orientation.describe() == "transposed at GEMM rows 2,8"
+    assert not NO_CHANGE and not NO_CHANGE(2) and NO_CHANGE.describe() == "as transformers runs them"
+    with pytest.raises(ValueError, match="not a linear orientation"):
+        LinearOrientation.from_dict({"rows": [4, 2], "transposed": [True, False]})
+
+
+def test_only_the_thread_that_chose_an_orientation_runs_it(monkeypatch):
+    taken = []
+    real = cpu_kernels.transposed_linear
+    monkeypatch.setattr(cpu_kernels, "transposed_linear",
+                        lambda *a: taken.append(threading.current_thread().name) or real(*a))
+    x, weight = torch.randn(4, 6), torch.randn(3, 6)
+    inside, done = threading.Event(), threading.Event()
+
+    def other() -> None:  # runs F.linear while the main thread is inside
+        inside.wait(5)
+        torch.nn.functional.linear(x, weight)
+        done.set()
+
+    thread = threading.Thread(target=other, name="other")
+    thread.start()
+    with cpu_kernels.cpu_kernels(linear=EVERYWHERE):
+        inside.set()
+        assert done.wait(5)
+        torch.nn.functional.linear(x, weight)
+        torch.nn.functional.linear(torch.randn(LINEAR_ROWS[-1] + 1, 6), weight)  # beyond the measured rows
+    thread.join()
+    assert taken == [threading.current_thread().name]
+
+
+def test_measuring_times_the_plain_linear_layers():
+    model = tiny_model("llama", dtype=torch.float32)
+    parts = selfspec.wrap(model).parts
+    orientation = measure_linear_orientation([*parts.layers.modules(), parts.lm_head], repeats=1)
+    assert orientation.rows == LINEAR_ROWS and len(orientation.transposed) == len(LINEAR_ROWS)
+    assert measure_linear_orientation([parts.norm]) is NO_CHANGE  # no linear layer to time
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_output_stays_equal_with_every_pass_transposed(arch, monkeypatch):
+    """float64: the transposed GEMMs (every row count up to 64) and the packed attention keep greedy output
+    token-identical to `model.generate`, one sequence (layer drafts and n-gram proposals) and a batch."""
+    transposed = []
+    real = cpu_kernels.transposed_linear
+    monkeypatch.setattr(cpu_kernels, "transposed_linear", lambda *a: transposed.append(1) or real(*a))
+    model = tiny_model(arch)
+    num_layers = model.config.get_text_config().num_hidden_layers
+    plan = selfspec.DraftPlan(layers=tuple(range(num_layers // 2)), draft_length=4, ngram=2, policy="fixed")
+    spec = selfspec.wrap(model, plan=plan)
+    spec.orientations[torch.get_num_threads()] = EVERYWHERE
+    prompts = [random_prompt(n, seed=n) for n in (7, 12)]
+    for prompt in prompts:
+        ref = model.generate(prompt, do_sample=False, max_new_tokens=24)
+        assert torch.equal(spec.generate(prompt, max_new_tokens=24), ref)
+    session = spec.batch_session()
+    assert session.linear is EVERYWHERE
+    rows = [session.add(p[0].tolist(), max_new_tokens=24, do_sample=False) for p in prompts]
+    while len(session):
+        session.step()
+    for row, prompt in zip(rows, prompts):
+        ref = model.generate(prompt, do_sample=False, max_new_tokens=24)
+        assert row.new_tokens == ref[0, prompt.shape[1]:].tolist()
+    assert transposed  # the passes did run transposed
