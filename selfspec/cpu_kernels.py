@@ -40,8 +40,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 # GEMM row counts timed by `measure_linear_orientation`; a count in between takes the decision of the one below.
 LINEAR_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -162,6 +160,8 @@ def packed_gqa_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch
              or attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or key.shape[1] * groups != heads
              or any(kwargs.get(option) is not None for option in CHANGED_ATTENTION))
     if plain:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         had, entry = _attention_before
         attend = entry if had else sdpa_attention_forward
         return attend(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -180,6 +180,9 @@ def cpu_kernels(*, attention: bool | None = None, linear: LinearOrientation | No
     None keeps the enclosing choice. Nests; restores the thread's choice and, when the last thread leaves,
     the original functions."""
     global _inside, _attention_before
+    # Imported here: transformers' modeling_utils loads its quantization back ends (and their warnings) on import.
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     saved = (getattr(_state, "attention", False), getattr(_state, "linear", NO_CHANGE))
     with _lock:
         if _inside == 0:

@@ -263,7 +263,8 @@ class SelfSpecModel:
             key = cache_key(kind="linear orientation", model=model_identity(self.model, self.parts),
                             dtype=str(self.parts.dtype), threads=threads, machine=machine_description(self.parts.device))
             modules = [*self.parts.layers.modules(), self.parts.lm_head]
-            self.orientations[threads] = load_or_measure(costs_cache_dir(), key,
+            folder = costs_cache_dir()  # beside the cost tables, in a folder of its own
+            self.orientations[threads] = load_or_measure(None if folder is None else folder / "kernels", key,
                                                          lambda: measure_linear_orientation(modules),
                                                          kind=LinearOrientation)
         return self.orientations[threads]
