@@ -153,3 +153,17 @@ def test_greedy_output_stays_equal_with_every_pass_transposed(arch, monkeypatch)
         ref = model.generate(prompt, do_sample=False, max_new_tokens=24)
         assert row.new_tokens == ref[0, prompt.shape[1]:].tolist()
     assert transposed  # the passes did run transposed
+
+
+def test_the_orientation_is_measured_once_cached_apart_and_keys_the_cost_tables(tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_COSTS_CACHE", str(tmp_path))
+    model = tiny_model("llama", dtype=torch.float32)
+    spec = selfspec.wrap(model)
+    orientation = spec.linear_orientation()
+    assert orientation.rows == LINEAR_ROWS and spec.linear_orientation() is orientation  # once per thread count
+    assert len(list((tmp_path / "kernels").glob("*.json"))) == 1 and not list(tmp_path.glob("*.json"))
+    again = selfspec.wrap(model)
+    assert again.linear_orientation() == orientation  # read back from disk
+    key = again._costs_key()
+    again.orientations[torch.get_num_threads()] = LinearOrientation((1,), (not orientation(1),))
+    assert again._costs_key() != key  # a table timed with other kernels is another table
