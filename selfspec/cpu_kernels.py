@@ -178,12 +178,20 @@ def packed_gqa_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch
 def cpu_kernels(*, attention: bool | None = None, linear: LinearOrientation | None = None):
     """Within: this thread's passes use the packed attention (`attention`) and linear orientation (`linear`);
     None keeps the enclosing choice. Nests; restores the thread's choice and, when the last thread leaves,
-    the original functions."""
+    the original functions. Choosing nothing swaps nothing."""
     global _inside, _attention_before
     # Imported here: transformers' modeling_utils loads its quantization back ends (and their warnings) on import.
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     saved = (getattr(_state, "attention", False), getattr(_state, "linear", NO_CHANGE))
+    chosen = (saved[0] if attention is None else attention, saved[1] if linear is None else linear)
+    if not chosen[0] and not chosen[1]:  # nothing to change (a GPU, say): transformers' functions, not swapped
+        _state.attention, _state.linear = chosen
+        try:
+            yield
+        finally:
+            _state.attention, _state.linear = saved
+        return
     with _lock:
         if _inside == 0:
             local = ALL_ATTENTION_FUNCTIONS._local_mapping
@@ -191,8 +199,7 @@ def cpu_kernels(*, attention: bool | None = None, linear: LinearOrientation | No
             ALL_ATTENTION_FUNCTIONS["sdpa"] = packed_gqa_sdpa
             torch.nn.functional.linear = oriented_linear
         _inside += 1
-    _state.attention = saved[0] if attention is None else attention
-    _state.linear = saved[1] if linear is None else linear
+    _state.attention, _state.linear = chosen
     try:
         yield
     finally:

@@ -31,6 +31,8 @@ def test_the_functions_are_swapped_only_while_a_thread_is_inside():
         assert cpu_kernels._state.attention
     assert torch.nn.functional.linear is linear and ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_entry
     assert cpu_kernels._inside == 0
+    with cpu_kernels.cpu_kernels(attention=False, linear=NO_CHANGE):  # nothing chosen (a GPU): nothing swapped
+        assert torch.nn.functional.linear is linear and ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_entry
 
 
 def test_wide_passes_fold_grouped_query_heads_into_one_kernel_call_and_compute_the_same(monkeypatch):
