@@ -318,8 +318,9 @@ def costs_cache_dir() -> Path | None:
 def load_or_measure(folder: Path | None, key: str, measure: Callable[[], Any], *, kind: type = None) -> Any:
     """The table cached under `folder/key.json`, else measured now (and cached when `folder` is given).
 
-    `kind`: what the file holds (default `PassCosts`; anything with `to_dict` and `from_dict`)."""
-    kind = PassCosts if kind is None else kind
+    `kind`: what the file holds (`PassCosts`, marked `source="cached"` when read back; or anything with
+    `to_dict` and `from_dict`)."""
+    kind = kind or PassCosts
     path = folder / f"{key}.json" if folder is not None else None
     if path is not None and path.is_file():
         try:

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .costs import fastest
+
 # GEMM row counts timed by `measure_linear_orientation`; a count in between takes the decision of the one below.
 LINEAR_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # The transposed orientation must beat the usual one by this fraction to be kept (timing noise).
@@ -85,11 +87,15 @@ class LinearOrientation:
 NO_CHANGE = LinearOrientation()
 
 
+def plain_tensor(weight) -> bool:
+    """An ordinary dense float matrix (not quantized, not a tensor subclass)."""
+    return (type(weight) in (torch.Tensor, nn.Parameter) and weight.dim() == 2 and weight.layout == torch.strided
+            and weight.dtype.is_floating_point)
+
+
 def plain_weight(module: nn.Module) -> bool:
-    """A linear layer whose weight is an ordinary dense float tensor (not quantized, not a tensor subclass)."""
-    weight = getattr(module, "weight", None)
-    return (isinstance(module, nn.Linear) and type(weight) in (torch.Tensor, nn.Parameter)
-            and weight.layout == torch.strided and weight.dtype.is_floating_point)
+    """A linear layer whose weight is a `plain_tensor`."""
+    return isinstance(module, nn.Linear) and plain_tensor(module.weight)
 
 
 def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -104,8 +110,6 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 def measure_linear_orientation(modules: list[nn.Module], *, repeats: int = 3) -> LinearOrientation:
     """Time every plain linear layer of `modules` both ways at each of `LINEAR_ROWS` rows (interleaved, the
     fastest of `repeats`); the transposed way is kept where it is `ORIENTATION_MARGIN` faster."""
-    from .costs import fastest  # costs imports this module
-
     linears = [m for m in modules if plain_weight(m)]
     if not linears:
         return NO_CHANGE
@@ -131,13 +135,13 @@ _state = threading.local()  # this thread's choice: .attention (bool), .linear (
 _lock = threading.Lock()
 _inside = 0  # threads inside `cpu_kernels` (the functions are swapped while > 0)
 _attention_before: tuple[bool, object] = (False, None)  # the "sdpa" entry's local override before the swap
+_attention_original = None  # the "sdpa" function in effect before the swap: what a plain pass calls
 
 
 def oriented_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, transposed where this thread's `LinearOrientation` says so for x's row count."""
     orientation = getattr(_state, "linear", NO_CHANGE)
-    if (orientation and x.dim() >= 2 and x.device.type == "cpu" and x.dtype == weight.dtype
-            and type(weight) in (torch.Tensor, nn.Parameter) and weight.dim() == 2
+    if (orientation and x.dim() >= 2 and x.device.type == "cpu" and x.dtype == weight.dtype and plain_tensor(weight)
             and orientation(x.numel() // max(1, x.shape[-1]))):
         return transposed_linear(x, weight, bias)
     return _linear(x, weight, bias)
@@ -160,12 +164,8 @@ def packed_gqa_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch
              or attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or key.shape[1] * groups != heads
              or any(kwargs.get(option) is not None for option in CHANGED_ATTENTION))
     if plain:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        had, entry = _attention_before
-        attend = entry if had else sdpa_attention_forward
-        return attend(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                      is_causal=is_causal, **kwargs)
+        return _attention_original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                   is_causal=is_causal, **kwargs)
     kv_heads = key.shape[1]
     packed = query.reshape(b, kv_heads, groups * q, d)  # row g * q + t: query t of head (kv, g)
     mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(attention_mask.shape[0], 1,
@@ -179,7 +179,7 @@ def cpu_kernels(*, attention: bool | None = None, linear: LinearOrientation | No
     """Within: this thread's passes use the packed attention (`attention`) and linear orientation (`linear`);
     None keeps the enclosing choice. Nests; restores the thread's choice and, when the last thread leaves,
     the original functions. Choosing nothing swaps nothing."""
-    global _inside, _attention_before
+    global _inside, _attention_before, _attention_original
     # Imported here: transformers' modeling_utils loads its quantization back ends (and their warnings) on import.
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -196,6 +196,7 @@ def cpu_kernels(*, attention: bool | None = None, linear: LinearOrientation | No
         if _inside == 0:
             local = ALL_ATTENTION_FUNCTIONS._local_mapping
             _attention_before = ("sdpa" in local, local.get("sdpa"))
+            _attention_original = ALL_ATTENTION_FUNCTIONS["sdpa"]
             ALL_ATTENTION_FUNCTIONS["sdpa"] = packed_gqa_sdpa
             torch.nn.functional.linear = oriented_linear
         _inside += 1
