@@ -10,9 +10,9 @@ ways, interleaved, the median of `--repeats`:
 
 - `transformers`: transformers' attention and `F.linear` as they are;
 - `+attention`: grouped query heads folded into one sdpa call (`packed_gqa_sdpa`);
-- `+linear`: and the linear layers' orientation measured for this machine (`measure_linear_orientation`).
+- `+linear`: and the linear layers' kernels measured for this machine (`measure_linear_kernels`).
 
-Prints the machine, the CPU capability, the thread count, the orientation
+Prints the machine, the CPU capability, the thread count, the linear kernels
 chosen, and the milliseconds and ratios per (r, q). Nothing is written.
 """
 
@@ -59,7 +59,7 @@ def time_passes(spec, rows: int, widths: list[int], context: int, repeats: int) 
     runner = BatchRunner(spec.parts, capacity=context + max(widths))
     for _ in range(rows):
         runner.cache.add_row()
-    orientation = spec.linear_orientation()
+    kernels_here = spec.linear_kernels()
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, spec.parts.vocab_size, (rows, max(widths)), generator=generator)
     wide_kernel = runner.wide_pass_kernel
@@ -69,7 +69,7 @@ def time_passes(spec, rows: int, widths: list[int], context: int, repeats: int) 
             for q in widths:
                 for way in WAYS:
                     runner.wide_pass_kernel = wide_kernel if way != "transformers" else (lambda _: False)
-                    linear = orientation if way == "+linear" else NO_CHANGE
+                    linear = kernels_here if way == "+linear" else NO_CHANGE
                     start = time.perf_counter()
                     with cpu_kernels(linear=linear):
                         runner.forward_rows(ids[:, :q], [context] * rows, slice(0, rows))
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in args.dtypes:
         model, _ = selfspec.load(args.model, dtype=dtype)
         spec = selfspec.wrap(model)
-        print(f"{dtype}: linear layers {spec.linear_orientation().describe()}")
+        print(f"{dtype}: linear layers {spec.linear_kernels().describe()}")
         print("| rows | q | transformers ms | +attention ms | +linear ms | transformers / +linear |")
         print("|---:|---:|---:|---:|---:|---:|")
         for rows in args.row_counts:

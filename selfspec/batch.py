@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptance import accept_greedy, accept_sampling
-from .cpu_kernels import NO_CHANGE, LinearOrientation, cpu_kernels
+from .cpu_kernels import NO_CHANGE, LinearKernels, cpu_kernels
 from .costs import MEASURE_CONTEXT, PassCosts, RuntimeCosts, fastest, interpolate, long_context, machine_description
 from .draft import Draft
 from .hf_generation import GenerationSettings
@@ -271,7 +271,7 @@ class BatchSession:
 
     def __init__(self, parts: ModelParts, plan: DraftPlan, *, settings_for: Callable[..., GenerationSettings],
                  costs_for: Callable[[int, bool], RuntimeCosts], check_context: Callable[[int, int], None],
-                 linear: LinearOrientation = NO_CHANGE) -> None:
+                 linear: LinearKernels = NO_CHANGE) -> None:
         self.parts = parts
         self.linear = linear  # how the linear layers run here (`cpu_kernels.py`), for every pass of the session
         self.ngram = plan.ngram

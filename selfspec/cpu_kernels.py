@@ -1,8 +1,9 @@
-"""Kernel choices for passes on the CPU: grouped-query attention in one sdpa call, and the linear layers' GEMM
-orientation, each where this machine runs it faster.
+"""Kernel choices for passes on the CPU: grouped-query attention in one sdpa call, and the kernel each linear
+layer runs, each where this machine runs it faster.
 
 Two things transformers leaves slow for the passes speculation makes (a few
-tokens, or a few tokens on each of several rows):
+tokens, or a few tokens on each of several rows), and one it leaves slow
+everywhere on some CPUs:
 
 - **Attention over grouped K/V heads** (`packed_gqa_sdpa`). For a masked
   pass over q > 1 queries, transformers copies each K/V head once per query
@@ -12,13 +13,15 @@ tokens, or a few tokens on each of several rows):
   is what transformers itself does for one query (`pack_gqa`). Measured
   (AVX512 CPU, SmolLM2's heads, 8 rows x 2 tokens at 256 entries): 0.23 ms a
   layer, against 0.44 with the kernel's own `enable_gqa`.
-- **The linear layers' orientation** (`LinearOrientation`). `F.linear(x, W)`
-  computes x W^T. For a few rows of x, the BLAS may be much faster at
-  (W x^T)^T on some machines (AVX512 CPU, float32, SmolLM2's layers: 13 ms
-  against 37 ms for 2 rows) and slower on others (the same CPU in bfloat16).
-  `measure_linear_orientation` times both on the model's own weights for
-  row counts 1..64 and keeps the transposed one where it is faster; larger
-  passes (prefills) always run as transformers runs them.
+- **The linear layers' kernel** (`LinearKernels`). `F.linear(x, W)`
+  computes x W^T with the BLAS torch was built with (MKL on x86). For a few
+  rows of x that BLAS may be much faster at (W x^T)^T on some machines
+  (AVX512 CPU, float32, SmolLM2's layers: 13 ms against 37 ms for 2 rows)
+  and slower on others (the same CPU in bfloat16); and on some CPUs oneDNN's
+  matmul, over the same weight in place, beats it at every row count (an
+  AMD EPYC in float32: half the time, prefills included). `measure_linear_kernels`
+  times each kernel that runs here on the model's own weights for row counts
+  1..256 and keeps the fastest where it beats `F.linear` by 5%.
 
 Both are installed while a thread is inside `cpu_kernels(...)`: the
 functions transformers calls (`torch.nn.functional.linear` and its "sdpa"
@@ -43,48 +46,54 @@ from torch import nn
 
 from .costs import fastest
 
-# GEMM row counts timed by `measure_linear_orientation`; a count in between takes the decision of the one below.
-LINEAR_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-# The transposed orientation must beat the usual one by this fraction to be kept (timing noise).
-ORIENTATION_MARGIN = 0.05
+# GEMM row counts timed by `measure_linear_kernels`; a count in between takes the choice of the one below, and a
+# count beyond the last (a long prefill) the last one's.
+LINEAR_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+# Another kernel must beat transformers' `F.linear` by this fraction to be kept (timing noise).
+KERNEL_MARGIN = 0.05
+# What a linear layer may run as: transformers' F.linear (the BLAS's x W^T), (W x^T)^T, or oneDNN's matmul.
+LINEAR_KERNELS = ("linear", "transposed", "onednn")
 # Attention options that change what is computed (a score cap, a position bias, attention sinks): a pass with
 # any of them goes to transformers' own function.
 CHANGED_ATTENTION = ("softcap", "position_bias", "s_aux", "sinks")
 
 
 @dataclass(frozen=True)
-class LinearOrientation:
-    """For which GEMM row counts the linear layers run as (W x^T)^T: `transposed[i]` for rows in
-    [rows[i], rows[i + 1]); none beyond `LINEAR_ROWS[-1]`."""
+class LinearKernels:
+    """Which kernel the linear layers run for a GEMM of m rows: `kernels[i]` for m in [rows[i], rows[i + 1]),
+    the last one's beyond; "linear" (transformers' `F.linear`) where nothing was measured."""
 
     rows: tuple[int, ...] = ()
-    transposed: tuple[bool, ...] = ()
+    kernels: tuple[str, ...] = ()
 
-    def __call__(self, m: int) -> bool:
-        if not self.rows or m > LINEAR_ROWS[-1]:
-            return False
+    def __call__(self, m: int) -> str:
         i = bisect.bisect_right(self.rows, m) - 1
-        return i >= 0 and self.transposed[i]
+        return self.kernels[i] if i >= 0 else "linear"
 
     def __bool__(self) -> bool:
-        return any(self.transposed)
+        return any(kernel != "linear" for kernel in self.kernels)
 
     def describe(self) -> str:
-        kept = [m for m, t in zip(self.rows, self.transposed) if t]
-        return f"transposed at GEMM rows {','.join(map(str, kept))}" if kept else "as transformers runs them"
+        if not self:
+            return "as transformers runs them"
+        groups: dict[str, list[int]] = {}
+        for m, kernel in zip(self.rows, self.kernels):
+            groups.setdefault(kernel, []).append(m)
+        return "; ".join(f"{KERNEL_NAMES[k]} at GEMM rows {','.join(map(str, ms))}" for k, ms in groups.items())
 
     def to_dict(self) -> dict:
-        return {"rows": list(self.rows), "transposed": list(self.transposed)}
+        return {"rows": list(self.rows), "kernels": list(self.kernels)}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "LinearOrientation":
-        rows, transposed = tuple(int(m) for m in data["rows"]), tuple(bool(t) for t in data["transposed"])
-        if len(rows) != len(transposed) or list(rows) != sorted(rows):
-            raise ValueError(f"not a linear orientation: {data}")
-        return cls(rows, transposed)
+    def from_dict(cls, data: dict) -> "LinearKernels":
+        rows, kernels = tuple(int(m) for m in data["rows"]), tuple(str(k) for k in data["kernels"])
+        if len(rows) != len(kernels) or list(rows) != sorted(set(rows)) or not set(kernels) <= set(LINEAR_KERNELS):
+            raise ValueError(f"not a choice of linear kernels: {data}")
+        return cls(rows, kernels)
 
 
-NO_CHANGE = LinearOrientation()
+NO_CHANGE = LinearKernels()
+KERNEL_NAMES = {"linear": "F.linear", "transposed": "(W x^T)^T", "onednn": "oneDNN"}
 
 
 def plain_tensor(weight) -> bool:
@@ -107,13 +116,44 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def measure_linear_orientation(modules: list[nn.Module], *, repeats: int = 3) -> LinearOrientation:
-    """Time every plain linear layer of `modules` both ways at each of `LINEAR_ROWS` rows (interleaved, the
-    fastest of `repeats`); the transposed way is kept where it is `ORIENTATION_MARGIN` faster."""
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` by oneDNN's matmul over the weight as it is (no packed copy kept): x `[..., in]`,
+    weight `[out, in]` -> `[..., out]`. Inference only (no autograd); float32 and 16-bit floats, not float64.
+
+    Where the BLAS torch calls is slow for this CPU (MKL on an AMD EPYC, float32: half oneDNN's speed at every
+    row count, measured), this is the same sums in another order.
+    """
+    flat = x.reshape(-1, x.shape[-1]).contiguous()  # [m, in]
+    out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")  # [m, out]
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def onednn_usable(weight: torch.Tensor) -> bool:
+    """oneDNN's matmul runs for this weight's dtype here and computes what `F.linear` computes (rounding apart)."""
+    if not (torch.backends.mkldnn.is_available() and weight.device.type == "cpu" and weight.is_contiguous()):
+        return False
+    x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+    try:
+        out = onednn_linear(x, weight)
+    except (RuntimeError, AttributeError, NotImplementedError):  # not built in, or not for this dtype (float64)
+        return False
+    reference = _linear(x.double(), weight.double())  # [3, out]
+    tolerance = 8 * torch.finfo(weight.dtype).eps * x.shape[1] ** 0.5
+    return bool((out.double() - reference).abs().max() <= tolerance * reference.abs().max().clamp_min(1e-30))
+
+
+KERNELS = {"linear": lambda *a: _linear(*a), "transposed": transposed_linear, "onednn": onednn_linear}
+
+
+def measure_linear_kernels(modules: list[nn.Module], *, repeats: int = 3) -> LinearKernels:
+    """Time every plain linear layer of `modules` with each kernel that runs here at each of `LINEAR_ROWS`
+    rows (interleaved, the fastest of `repeats`); the fastest is kept where it beats `F.linear` by
+    `KERNEL_MARGIN`."""
     linears = [m for m in modules if plain_weight(m)]
     if not linears:
         return NO_CHANGE
     device, dtype = linears[0].weight.device, linears[0].weight.dtype
+    kernels = [k for k in LINEAR_KERNELS if k != "onednn" or all(onednn_usable(m.weight) for m in linears[:1])]
     generator = torch.Generator().manual_seed(0)
     inputs = {m: {n: torch.randn(m, n, generator=generator).to(device, dtype)
                   for n in {int(layer.in_features) for layer in linears}} for m in LINEAR_ROWS}
@@ -122,28 +162,37 @@ def measure_linear_orientation(modules: list[nn.Module], *, repeats: int = 3) ->
         return lambda: [kernel(inputs[m][layer.in_features], layer.weight, layer.bias) for layer in linears]
 
     with torch.no_grad():
-        times = fastest({(m, t): all_layers(m, transposed_linear if t else _linear)
-                         for m in LINEAR_ROWS for t in (False, True)}, repeats=repeats, device=device)
-    return LinearOrientation(LINEAR_ROWS, tuple(times[m, True] < times[m, False] * (1 - ORIENTATION_MARGIN)
-                                                 for m in LINEAR_ROWS))
+        times = fastest({(m, k): all_layers(m, KERNELS[k]) for m in LINEAR_ROWS for k in kernels},
+                        repeats=repeats, device=device)
+
+    def best(m: int) -> str:
+        kernel = min(kernels, key=lambda k: times[m, k])
+        return kernel if times[m, kernel] < times[m, "linear"] * (1 - KERNEL_MARGIN) else "linear"
+
+    return LinearKernels(LINEAR_ROWS, tuple(best(m) for m in LINEAR_ROWS))
 
 
 # --------------------------------------------------------------------------- the swapped functions
 
 _linear = torch.nn.functional.linear  # the functions in place when this module was imported
-_state = threading.local()  # this thread's choice: .attention (bool), .linear (LinearOrientation)
+_state = threading.local()  # this thread's choice: .attention (bool), .linear (LinearKernels)
 _lock = threading.Lock()
 _inside = 0  # threads inside `cpu_kernels` (the functions are swapped while > 0)
 _attention_before: tuple[bool, object] = (False, None)  # the "sdpa" entry's local override before the swap
 _attention_original = None  # the "sdpa" function in effect before the swap: what a plain pass calls
 
 
-def oriented_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, transposed where this thread's `LinearOrientation` says so for x's row count."""
-    orientation = getattr(_state, "linear", NO_CHANGE)
-    if (orientation and x.dim() >= 2 and x.device.type == "cpu" and x.dtype == weight.dtype and plain_tensor(weight)
-            and orientation(x.numel() // max(1, x.shape[-1]))):
+def chosen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, by the kernel this thread's `LinearKernels` chose for x's row count."""
+    choice = getattr(_state, "linear", NO_CHANGE)
+    if not (choice and x.dim() >= 2 and x.device.type == "cpu" and x.dtype == weight.dtype and plain_tensor(weight)):
+        return _linear(x, weight, bias)
+    kernel = choice(x.numel() // max(1, x.shape[-1]))
+    if kernel == "transposed":
         return transposed_linear(x, weight, bias)
+    if (kernel == "onednn" and weight.is_contiguous() and (bias is None or bias.dtype == weight.dtype)
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return onednn_linear(x, weight, bias)
     return _linear(x, weight, bias)
 
 
@@ -175,8 +224,8 @@ def packed_gqa_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch
 
 
 @contextlib.contextmanager
-def cpu_kernels(*, attention: bool | None = None, linear: LinearOrientation | None = None):
-    """Within: this thread's passes use the packed attention (`attention`) and linear orientation (`linear`);
+def cpu_kernels(*, attention: bool | None = None, linear: LinearKernels | None = None):
+    """Within: this thread's passes use the packed attention (`attention`) and linear kernels (`linear`);
     None keeps the enclosing choice. Nests; restores the thread's choice and, when the last thread leaves,
     the original functions. Choosing nothing swaps nothing."""
     global _inside, _attention_before, _attention_original
@@ -198,7 +247,7 @@ def cpu_kernels(*, attention: bool | None = None, linear: LinearOrientation | No
             _attention_before = ("sdpa" in local, local.get("sdpa"))
             _attention_original = ALL_ATTENTION_FUNCTIONS["sdpa"]
             ALL_ATTENTION_FUNCTIONS["sdpa"] = packed_gqa_sdpa
-            torch.nn.functional.linear = oriented_linear
+            torch.nn.functional.linear = chosen_linear
         _inside += 1
     _state.attention, _state.linear = chosen
     try:

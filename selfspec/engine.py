@@ -39,7 +39,7 @@ from .costs import (
     measure_pass_costs,
     save_costs,
 )
-from .cpu_kernels import NO_CHANGE, LinearOrientation, cpu_kernels, measure_linear_orientation
+from .cpu_kernels import NO_CHANGE, LinearKernels, cpu_kernels, measure_linear_kernels
 from .draft import Draft, Drafter
 from .head import ExitHead, load_head
 from .hf_generation import GenerationSettings, resolve_settings
@@ -129,7 +129,7 @@ class SelfSpecModel:
         self.injected_costs = self._injected(costs)
         self.measured_costs: dict[tuple, RuntimeCosts] = {}  # by (threads, device): a table, refined by the rounds
         self.batch_costs: dict[tuple, RuntimeCosts] = {}  # by (threads, device, rows): batched passes (`batch.py`)
-        self.orientations: dict[int, LinearOrientation] = {}  # by threads: the linear layers' (`cpu_kernels.py`)
+        self.linear_choices: dict[int, LinearKernels] = {}  # by threads: the linear layers' kernels (`cpu_kernels.py`)
         self.step = self._resolve_step(step)
         self.graphed: GraphedRunner | None = None  # kept across generations: its graphs hold its cache's addresses
         self.last_stats: GenerationStats | BatchStats | None = None
@@ -202,7 +202,7 @@ class SelfSpecModel:
         def measure() -> PassCosts:
             if self.plan.auto:  # an auto plan's table times its reference set (`auto_layers.py` scales from it)
                 self.drafter.set_layers(self.plan.draft_layers(self.parts.num_layers))
-            with cpu_kernels(linear=self.linear_orientation()):
+            with cpu_kernels(linear=self.linear_kernels()):
                 return measure_pass_costs(
                     lambda capacity: self._runner(capacity, keep=False),
                     draft_step if self.drafter.has_layers else None,
@@ -249,25 +249,25 @@ class SelfSpecModel:
             threads=torch.get_num_threads(),
             machine=machine_description(device),
             max_width=self.max_width,
-            linear=self.linear_orientation().to_dict(),  # the kernels the passes ran with
+            linear=self.linear_kernels().to_dict(),  # the kernels the passes ran with
             **extra,
         )
 
-    def linear_orientation(self) -> LinearOrientation:
+    def linear_kernels(self) -> LinearKernels:
         """How the linear layers run their passes here (`cpu_kernels.py`): measured once per machine, model,
         dtype and thread count on the CPU (cached on disk with the cost tables); unchanged elsewhere."""
         if self.parts.device.type != "cpu" or self.quantization is not None:
             return NO_CHANGE
         threads = torch.get_num_threads()
-        if threads not in self.orientations:
-            key = cache_key(kind="linear orientation", model=model_identity(self.model, self.parts),
+        if threads not in self.linear_choices:
+            key = cache_key(kind="linear kernels", model=model_identity(self.model, self.parts),
                             dtype=str(self.parts.dtype), threads=threads, machine=machine_description(self.parts.device))
             modules = [*self.parts.layers.modules(), self.parts.lm_head]
             folder = costs_cache_dir()  # beside the cost tables, in a folder of its own
-            self.orientations[threads] = load_or_measure(None if folder is None else folder / "kernels", key,
-                                                         lambda: measure_linear_orientation(modules),
-                                                         kind=LinearOrientation)
-        return self.orientations[threads]
+            self.linear_choices[threads] = load_or_measure(None if folder is None else folder / "kernels", key,
+                                                         lambda: measure_linear_kernels(modules),
+                                                         kind=LinearKernels)
+        return self.linear_choices[threads]
 
     def _policy(self, settings: GenerationSettings) -> CostPolicy | AdaptivePolicy:
         if self.plan.policy == "fixed" or not self.plan.drafts:
@@ -336,7 +336,7 @@ class SelfSpecModel:
         self._check_context(len(prompt), settings.max_new_tokens)
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        with cpu_kernels(linear=self.linear_orientation()):
+        with cpu_kernels(linear=self.linear_kernels()):
             tokens, self.last_stats = self._decode(prompt, settings, streamer, generator)
         if streamer is not None:
             streamer.end()
@@ -353,7 +353,7 @@ class SelfSpecModel:
         that finished.
         """
         return BatchSession(self.parts, self.plan, settings_for=self._row_settings, costs_for=self._batch_costs,
-                            check_context=self._check_context, linear=self.linear_orientation())
+                            check_context=self._check_context, linear=self.linear_kernels())
 
     def _row_settings(self, prompt: list[int], *, logits_processor, stopping_criteria, kwargs,
                       generation_config=None, tokenizer=None) -> GenerationSettings:

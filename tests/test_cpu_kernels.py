@@ -1,6 +1,6 @@
 """The CPU kernel choices (`cpu_kernels.py`): grouped query heads folded into one attention call, and the linear
-layers' GEMM orientation. Each computes what transformers computes, only in the thread that chose it, and
-greedy output stays token-identical to `model.generate`."""
+layers' kernel (F.linear, transposed, oneDNN). Each computes what transformers computes, only in the thread that
+chose it, and greedy output stays token-identical to `model.generate`."""
 
 from __future__ import annotations
 
@@ -12,20 +12,21 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import selfspec
 from selfspec import cpu_kernels
-from selfspec.cpu_kernels import (LINEAR_ROWS, NO_CHANGE, LinearOrientation, measure_linear_orientation,
-                                  oriented_linear, packed_gqa_sdpa, transposed_linear)
+from selfspec.cpu_kernels import (LINEAR_KERNELS, LINEAR_ROWS, NO_CHANGE, LinearKernels, chosen_linear,
+                                  measure_linear_kernels, onednn_linear, onednn_usable, packed_gqa_sdpa,
+                                  transposed_linear)
 from selfspec.testing import TINY_CONFIGS, random_prompt, tiny_model
 
 ARCHS = sorted(TINY_CONFIGS)
-EVERYWHERE = LinearOrientation(LINEAR_ROWS, (True,) * len(LINEAR_ROWS))
+EVERYWHERE = LinearKernels(LINEAR_ROWS, ("transposed",) * len(LINEAR_ROWS))
 
 
 def test_the_functions_are_swapped_only_while_a_thread_is_inside():
     linear, sdpa_entry = torch.nn.functional.linear, ALL_ATTENTION_FUNCTIONS["sdpa"]
-    assert linear is not oriented_linear and sdpa_entry is not packed_gqa_sdpa
+    assert linear is not chosen_linear and sdpa_entry is not packed_gqa_sdpa
     with cpu_kernels.cpu_kernels(attention=True, linear=EVERYWHERE):
         assert ALL_ATTENTION_FUNCTIONS["sdpa"] is packed_gqa_sdpa
-        assert torch.nn.functional.linear is oriented_linear
+        assert torch.nn.functional.linear is chosen_linear
         with cpu_kernels.cpu_kernels(attention=False):  # nested: the inner choice, then the outer one again
             assert not cpu_kernels._state.attention and cpu_kernels._state.linear is EVERYWHERE
         assert cpu_kernels._state.attention
@@ -87,18 +88,35 @@ def test_transposed_linear_computes_what_linear_computes():
         torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), rtol=0, atol=1e-12)
 
 
-def test_an_orientation_covers_the_rows_between_its_measured_ones_and_none_beyond():
-    orientation = LinearOrientation((1, 2, 4, 8), (False, True, False, True))
-    assert [orientation(m) for m in (1, 2, 3, 4, 7, 8, 64)] == [False, True, True, False, False, True, True]
-    assert not orientation(LINEAR_ROWS[-1] + 1)  # a prefill runs as transformers runs it
-    assert LinearOrientation.from_dict(orientation.to_dict()) == orientation
-    assert orientation.describe() == "transposed at GEMM rows 2,8"
-    assert not NO_CHANGE and not NO_CHANGE(2) and NO_CHANGE.describe() == "as transformers runs them"
-    with pytest.raises(ValueError, match="not a linear orientation"):
-        LinearOrientation.from_dict({"rows": [4, 2], "transposed": [True, False]})
+def test_onednn_linear_computes_what_linear_computes_in_float32():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 40, generator=generator)
+    weight = torch.randn(24, 40, generator=generator)
+    bias = torch.randn(24, generator=generator)
+    assert onednn_usable(weight)
+    for b in (None, bias):
+        out = onednn_linear(x, weight, b)
+        assert out.shape == (2, 3, 24)
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), rtol=0, atol=1e-5)
+    assert not onednn_usable(weight.double())  # oneDNN has no float64 matmul: never offered there
+    assert not onednn_usable(weight.T)  # a weight it would have to copy
 
 
-def test_only_the_thread_that_chose_an_orientation_runs_it(monkeypatch):
+def test_a_choice_covers_the_rows_between_its_measured_ones_and_the_last_one_beyond():
+    choice = LinearKernels((1, 2, 4, 8), ("linear", "transposed", "onednn", "transposed"))
+    assert [choice(m) for m in (1, 2, 3, 4, 7, 8, 64, 4096)] == [
+        "linear", "transposed", "transposed", "onednn", "onednn", "transposed", "transposed", "transposed"]
+    assert LinearKernels.from_dict(choice.to_dict()) == choice
+    assert choice.describe() == "F.linear at GEMM rows 1; (W x^T)^T at GEMM rows 2,8; oneDNN at GEMM rows 4"
+    assert not NO_CHANGE and NO_CHANGE(2) == "linear" and NO_CHANGE.describe() == "as transformers runs them"
+    assert not LinearKernels((1, 2), ("linear", "linear"))
+    with pytest.raises(ValueError, match="not a choice of linear kernels"):
+        LinearKernels.from_dict({"rows": [4, 2], "kernels": ["transposed", "linear"]})
+    with pytest.raises(ValueError, match="not a choice of linear kernels"):
+        LinearKernels.from_dict({"rows": [1], "kernels": ["fast"]})
+
+
+def test_only_the_thread_that_chose_a_kernel_runs_it(monkeypatch):
     taken = []
     real = cpu_kernels.transposed_linear
     monkeypatch.setattr(cpu_kernels, "transposed_linear",
@@ -117,55 +135,66 @@ def test_only_the_thread_that_chose_an_orientation_runs_it(monkeypatch):
         inside.set()
         assert done.wait(5)
         torch.nn.functional.linear(x, weight)
-        torch.nn.functional.linear(torch.randn(LINEAR_ROWS[-1] + 1, 6), weight)  # beyond the measured rows
     thread.join()
     assert taken == [threading.current_thread().name]
 
 
-def test_measuring_times_the_plain_linear_layers():
+def test_measuring_times_the_plain_linear_layers_with_every_kernel_that_runs(monkeypatch):
     model = tiny_model("llama", dtype=torch.float32)
     parts = selfspec.wrap(model).parts
-    orientation = measure_linear_orientation([*parts.layers.modules(), parts.lm_head], repeats=1)
-    assert orientation.rows == LINEAR_ROWS and len(orientation.transposed) == len(LINEAR_ROWS)
-    assert measure_linear_orientation([parts.norm]) is NO_CHANGE  # no linear layer to time
+    timed = []
+    real = cpu_kernels.fastest
+    monkeypatch.setattr(cpu_kernels, "fastest", lambda runs, **kw: timed.extend(runs) or real(runs, **kw))
+    choice = measure_linear_kernels([*parts.layers.modules(), parts.lm_head], repeats=1)
+    assert choice.rows == LINEAR_ROWS and set(choice.kernels) <= set(LINEAR_KERNELS)
+    assert {k for _, k in timed} == set(LINEAR_KERNELS)  # oneDNN runs float32 here: timed with the others
+    assert measure_linear_kernels([parts.norm]) is NO_CHANGE  # no linear layer to time
+    timed.clear()
+    double = tiny_model("llama", dtype=torch.float64)
+    measure_linear_kernels(list(double.modules()), repeats=1)
+    assert {k for _, k in timed} == {"linear", "transposed"}  # float64: no oneDNN
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_output_stays_equal_with_every_pass_transposed(arch, monkeypatch):
-    """float64: the transposed GEMMs (every row count up to 64) and the packed attention keep greedy output
-    token-identical to `model.generate`, one sequence (layer drafts and n-gram proposals) and a batch."""
-    transposed = []
-    real = cpu_kernels.transposed_linear
-    monkeypatch.setattr(cpu_kernels, "transposed_linear", lambda *a: transposed.append(1) or real(*a))
-    model = tiny_model(arch)
+@pytest.mark.parametrize("kernel", ["transposed", "onednn"])
+def test_greedy_output_stays_equal_with_every_pass_on_another_linear_kernel(arch, kernel, monkeypatch):
+    """Every linear layer of every pass (prefills included) transposed, in float64, or by oneDNN, in float32 (it
+    has no float64), and the packed attention: greedy output token-identical to `model.generate`, one sequence
+    (layer drafts and n-gram proposals) and a batch."""
+    ran = []
+    name = f"{kernel}_linear"
+    real = getattr(cpu_kernels, name)
+    monkeypatch.setattr(cpu_kernels, name, lambda *a: ran.append(1) or real(*a))
+    model = tiny_model(arch, dtype=torch.float64 if kernel == "transposed" else torch.float32)
     num_layers = model.config.get_text_config().num_hidden_layers
     plan = selfspec.DraftPlan(layers=tuple(range(num_layers // 2)), draft_length=4, ngram=2, policy="fixed")
     spec = selfspec.wrap(model, plan=plan)
-    spec.orientations[torch.get_num_threads()] = EVERYWHERE
+    choice = LinearKernels(LINEAR_ROWS, (kernel,) * len(LINEAR_ROWS))
+    spec.linear_choices[torch.get_num_threads()] = choice
     prompts = [random_prompt(n, seed=n) for n in (7, 12)]
     for prompt in prompts:
         ref = model.generate(prompt, do_sample=False, max_new_tokens=24)
         assert torch.equal(spec.generate(prompt, max_new_tokens=24), ref)
     session = spec.batch_session()
-    assert session.linear is EVERYWHERE
+    assert session.linear is choice
     rows = [session.add(p[0].tolist(), max_new_tokens=24, do_sample=False) for p in prompts]
     while len(session):
         session.step()
     for row, prompt in zip(rows, prompts):
         ref = model.generate(prompt, do_sample=False, max_new_tokens=24)
         assert row.new_tokens == ref[0, prompt.shape[1]:].tolist()
-    assert transposed  # the passes did run transposed
+    assert ran  # the passes did run on that kernel
 
 
-def test_the_orientation_is_measured_once_cached_apart_and_keys_the_cost_tables(tmp_path, monkeypatch):
+def test_the_kernels_are_measured_once_cached_apart_and_key_the_cost_tables(tmp_path, monkeypatch):
     monkeypatch.setenv("SELFSPEC_COSTS_CACHE", str(tmp_path))
     model = tiny_model("llama", dtype=torch.float32)
     spec = selfspec.wrap(model)
-    orientation = spec.linear_orientation()
-    assert orientation.rows == LINEAR_ROWS and spec.linear_orientation() is orientation  # once per thread count
+    choice = spec.linear_kernels()
+    assert choice.rows == LINEAR_ROWS and spec.linear_kernels() is choice  # once per thread count
     assert len(list((tmp_path / "kernels").glob("*.json"))) == 1 and not list(tmp_path.glob("*.json"))
     again = selfspec.wrap(model)
-    assert again.linear_orientation() == orientation  # read back from disk
+    assert again.linear_kernels() == choice  # read back from disk
     key = again._costs_key()
-    again.orientations[torch.get_num_threads()] = LinearOrientation((1,), (not orientation(1),))
+    again.linear_choices[torch.get_num_threads()] = LinearKernels((1,), ("onednn" if choice(1) != "onednn" else "linear",))
     assert again._costs_key() != key  # a table timed with other kernels is another table
