@@ -39,7 +39,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -65,13 +65,24 @@ class LinearKernels:
 
     rows: tuple[int, ...] = ()
     kernels: tuple[str, ...] = ()
+    # The kernel for m = 0 .. rows[-1], looked up on every linear call of a pass (no search there).
+    by_rows: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    changes: bool = field(init=False, repr=False, compare=False)  # some row count runs another kernel
+
+    def __post_init__(self) -> None:
+        by_rows = []
+        for m in range(self.rows[-1] + 1 if self.rows else 0):
+            i = bisect.bisect_right(self.rows, m) - 1
+            by_rows.append(self.kernels[i] if i >= 0 else "linear")
+        object.__setattr__(self, "by_rows", tuple(by_rows))
+        object.__setattr__(self, "changes", any(kernel != "linear" for kernel in self.kernels))
 
     def __call__(self, m: int) -> str:
-        i = bisect.bisect_right(self.rows, m) - 1
-        return self.kernels[i] if i >= 0 else "linear"
+        by_rows = self.by_rows
+        return by_rows[m] if m < len(by_rows) else (by_rows[-1] if by_rows else "linear")
 
     def __bool__(self) -> bool:
-        return any(kernel != "linear" for kernel in self.kernels)
+        return self.changes
 
     def describe(self) -> str:
         if not self:
@@ -142,6 +153,7 @@ def onednn_usable(weight: torch.Tensor) -> bool:
     return bool((out.double() - reference).abs().max() <= tolerance * reference.abs().max().clamp_min(1e-30))
 
 
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what its matmul takes (not float64)
 KERNELS = {"linear": lambda *a: _linear(*a), "transposed": transposed_linear, "onednn": onednn_linear}
 
 
@@ -183,14 +195,15 @@ _attention_original = None  # the "sdpa" function in effect before the swap: wha
 
 
 def chosen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, by the kernel this thread's `LinearKernels` chose for x's row count."""
+    """`F.linear`, by the kernel this thread's `LinearKernels` chose for x's row count (on every linear call of
+    a pass: the common case, F.linear, is decided first)."""
     choice = getattr(_state, "linear", NO_CHANGE)
-    if not (choice and x.dim() >= 2 and x.device.type == "cpu" and x.dtype == weight.dtype and plain_tensor(weight)):
+    kernel = choice(x.numel() // x.shape[-1]) if x.dim() >= 2 and x.shape[-1] else "linear"
+    if kernel == "linear" or x.device.type != "cpu" or x.dtype != weight.dtype or not plain_tensor(weight):
         return _linear(x, weight, bias)
-    kernel = choice(x.numel() // max(1, x.shape[-1]))
     if kernel == "transposed":
         return transposed_linear(x, weight, bias)
-    if (kernel == "onednn" and weight.is_contiguous() and (bias is None or bias.dtype == weight.dtype)
+    if (weight.dtype in ONEDNN_DTYPES and weight.is_contiguous() and (bias is None or bias.dtype == weight.dtype)
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return onednn_linear(x, weight, bias)
     return _linear(x, weight, bias)

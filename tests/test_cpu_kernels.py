@@ -102,6 +102,25 @@ def test_onednn_linear_computes_what_linear_computes_in_float32():
     assert not onednn_usable(weight.T)  # a weight it would have to copy
 
 
+def test_onednn_is_chosen_only_where_it_can_run_and_autograd_goes_to_f_linear(monkeypatch):
+    ran = []
+    real = cpu_kernels.onednn_linear
+    monkeypatch.setattr(cpu_kernels, "onednn_linear", lambda *a: ran.append(1) or real(*a))
+    everywhere = LinearKernels(LINEAR_ROWS, ("onednn",) * len(LINEAR_ROWS))
+    weight = torch.randn(5, 6)
+    with cpu_kernels.cpu_kernels(linear=everywhere):
+        with torch.no_grad():
+            torch.nn.functional.linear(torch.randn(3, 6), weight)
+        assert ran == [1]
+        x = torch.randn(3, 6, requires_grad=True)
+        out = torch.nn.functional.linear(x, weight)  # training: oneDNN's op has no backward
+        out.sum().backward()
+        assert ran == [1] and x.grad is not None
+        torch.nn.functional.linear(torch.randn(3, 6, dtype=torch.float64), weight.double())  # no float64 oneDNN
+        torch.nn.functional.linear(torch.randn(3, 6), weight.T.contiguous().T)  # a strided weight
+        assert ran == [1]
+
+
 def test_a_choice_covers_the_rows_between_its_measured_ones_and_the_last_one_beyond():
     choice = LinearKernels((1, 2, 4, 8), ("linear", "transposed", "onednn", "transposed"))
     assert [choice(m) for m in (1, 2, 3, 4, 7, 8, 64, 4096)] == [
@@ -196,5 +215,6 @@ def test_the_kernels_are_measured_once_cached_apart_and_key_the_cost_tables(tmp_
     again = selfspec.wrap(model)
     assert again.linear_kernels() == choice  # read back from disk
     key = again._costs_key()
-    again.linear_choices[torch.get_num_threads()] = LinearKernels((1,), ("onednn" if choice(1) != "onednn" else "linear",))
+    other = "onednn" if choice(1) != "onednn" else "linear"
+    again.linear_choices[torch.get_num_threads()] = LinearKernels((1,), (other,))
     assert again._costs_key() != key  # a table timed with other kernels is another table
