@@ -127,6 +127,9 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what its matmul takes (not float64)
+
+
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` by oneDNN's matmul over the weight as it is (no packed copy kept): x `[..., in]`,
     weight `[out, in]` -> `[..., out]`. Inference only (no autograd); float32 and 16-bit floats, not float64.
@@ -141,19 +144,19 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def onednn_usable(weight: torch.Tensor) -> bool:
     """oneDNN's matmul runs for this weight's dtype here and computes what `F.linear` computes (rounding apart)."""
-    if not (torch.backends.mkldnn.is_available() and weight.device.type == "cpu" and weight.is_contiguous()):
+    if not (torch.backends.mkldnn.is_available() and weight.device.type == "cpu" and weight.is_contiguous()
+            and weight.dtype in ONEDNN_DTYPES):
         return False
     x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
     try:
         out = onednn_linear(x, weight)
-    except (RuntimeError, AttributeError, NotImplementedError):  # not built in, or not for this dtype (float64)
+    except (RuntimeError, AttributeError, NotImplementedError):  # not built in, or not on this CPU
         return False
     reference = _linear(x.double(), weight.double())  # [3, out]
     tolerance = 8 * torch.finfo(weight.dtype).eps * x.shape[1] ** 0.5
     return bool((out.double() - reference).abs().max() <= tolerance * reference.abs().max().clamp_min(1e-30))
 
 
-ONEDNN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what its matmul takes (not float64)
 KERNELS = {"linear": lambda *a: _linear(*a), "transposed": transposed_linear, "onednn": onednn_linear}
 
 
@@ -165,7 +168,7 @@ def measure_linear_kernels(modules: list[nn.Module], *, repeats: int = 3) -> Lin
     if not linears:
         return NO_CHANGE
     device, dtype = linears[0].weight.device, linears[0].weight.dtype
-    kernels = [k for k in LINEAR_KERNELS if k != "onednn" or all(onednn_usable(m.weight) for m in linears[:1])]
+    kernels = [k for k in LINEAR_KERNELS if k != "onednn" or onednn_usable(linears[0].weight)]
     generator = torch.Generator().manual_seed(0)
     inputs = {m: {n: torch.randn(m, n, generator=generator).to(device, dtype)
                   for n in {int(layer.in_features) for layer in linears}} for m in LINEAR_ROWS}
