@@ -265,8 +265,8 @@ class SelfSpecModel:
             modules = [*self.parts.layers.modules(), self.parts.lm_head]
             folder = costs_cache_dir()  # beside the cost tables, in a folder of its own
             self.linear_choices[threads] = load_or_measure(None if folder is None else folder / "kernels", key,
-                                                         lambda: measure_linear_kernels(modules),
-                                                         kind=LinearKernels)
+                                                           lambda: measure_linear_kernels(modules),
+                                                           kind=LinearKernels)
         return self.linear_choices[threads]
 
     def _policy(self, settings: GenerationSettings) -> CostPolicy | AdaptivePolicy:
