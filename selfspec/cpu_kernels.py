@@ -46,6 +46,8 @@ from torch import nn
 
 from .costs import fastest
 
+_linear = torch.nn.functional.linear  # F.linear as this module found it: what "linear" runs, swapped or not
+
 # GEMM row counts timed by `measure_linear_kernels`; a count in between takes the choice of the one below, and a
 # count beyond the last (a long prefill) the last one's.
 LINEAR_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
@@ -67,7 +69,6 @@ class LinearKernels:
     kernels: tuple[str, ...] = ()
     # The kernel for m = 0 .. rows[-1], looked up on every linear call of a pass (no search there).
     by_rows: tuple[str, ...] = field(init=False, repr=False, compare=False)
-    changes: bool = field(init=False, repr=False, compare=False)  # some row count runs another kernel
 
     def __post_init__(self) -> None:
         by_rows = []
@@ -75,14 +76,13 @@ class LinearKernels:
             i = bisect.bisect_right(self.rows, m) - 1
             by_rows.append(self.kernels[i] if i >= 0 else "linear")
         object.__setattr__(self, "by_rows", tuple(by_rows))
-        object.__setattr__(self, "changes", any(kernel != "linear" for kernel in self.kernels))
 
     def __call__(self, m: int) -> str:
         by_rows = self.by_rows
         return by_rows[m] if m < len(by_rows) else (by_rows[-1] if by_rows else "linear")
 
-    def __bool__(self) -> bool:
-        return self.changes
+    def __bool__(self) -> bool:  # some row count runs another kernel
+        return any(kernel != "linear" for kernel in self.kernels)
 
     def describe(self) -> str:
         if not self:
@@ -157,7 +157,7 @@ def onednn_usable(weight: torch.Tensor) -> bool:
     return bool((out.double() - reference).abs().max() <= tolerance * reference.abs().max().clamp_min(1e-30))
 
 
-KERNELS = {"linear": lambda *a: _linear(*a), "transposed": transposed_linear, "onednn": onednn_linear}
+KERNELS = {"linear": _linear, "transposed": transposed_linear, "onednn": onednn_linear}
 
 
 def measure_linear_kernels(modules: list[nn.Module], *, repeats: int = 3) -> LinearKernels:
@@ -189,7 +189,6 @@ def measure_linear_kernels(modules: list[nn.Module], *, repeats: int = 3) -> Lin
 
 # --------------------------------------------------------------------------- the swapped functions
 
-_linear = torch.nn.functional.linear  # the functions in place when this module was imported
 _state = threading.local()  # this thread's choice: .attention (bool), .linear (LinearKernels)
 _lock = threading.Lock()
 _inside = 0  # threads inside `cpu_kernels` (the functions are swapped while > 0)
