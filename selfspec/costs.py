@@ -55,6 +55,7 @@ LONG_CONTEXT = 1024  # ... and a second time: how a pass's cost grows with the c
 # so tables timed before are measured anew.
 PASS_KERNELS = 4
 FLAT_UP_TO = 16  # the "flat" profile: a pass over up to this many tokens costs one step
+SHAPE_SLACK = 1.5  # how far one width's runtime correction may stray from its context band's (`RuntimeCosts.ratio`)
 
 
 def long_context(max_positions: int | None, max_width: int) -> int:
@@ -383,9 +384,18 @@ class RuntimeCosts:
         self.draft_ratio = 1.0
 
     def ratio(self, width: int, context: int | None) -> float:
-        """observed / table for a pass over `width` tokens at `context` entries (1.0 until something is seen)."""
+        """observed / table for a pass over `width` tokens at `context` entries (1.0 until something is seen).
+
+        A width's own ratio stays within `SHAPE_SLACK` of its band's: the
+        measured table's shape across widths is trusted that far. Without the
+        bound, a burst of load on the few rounds of one width could price it
+        out for good: a width thought too dear is never drafted, so never
+        observed again, and the refined table carries it to the next process.
+        """
         band = self._band(context)
-        return self.medians.get((width, band), self.medians.get(band, self.overall))
+        general = self.medians.get(band, self.overall)
+        own = self.medians.get((width, band))
+        return general if own is None else min(max(own, general / SHAPE_SLACK), general * SHAPE_SLACK)
 
     def _band(self, context: int | None) -> int:
         return context_band(self.table.context if context is None else context)

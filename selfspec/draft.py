@@ -10,7 +10,10 @@ With a trained exit head (`head.py`) the draft is layers 0..E-1, then the head
 only its tokens. An n-gram match (`ngram.py`), when the plan looks for one,
 comes first: it is free. With the plan's `tree`, the layers may draft a token
 tree instead of a chain (`Drafter.layer_tree`: one pass per level over the
-level's likeliest nodes, written in tree rows beyond the last token).
+level's likeliest nodes, written in tree rows beyond the last token). With
+the plan's `recycle`, nodes grown from the target's own recorded predictions
+(`recycle.py`) join the n-gram proposal, or form a tree of their own when
+nothing matched and they beat the layer draft: they cost no layer pass.
 
 This module proposes and records; it does not run the target's full passes
 (`passes.py`), decide acceptance (`acceptance.py`) or choose the draft length
@@ -19,6 +22,7 @@ This module proposes and records; it does not run the target's full passes
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +30,7 @@ import torch
 from .head import ExitHead
 from .ngram import continuations, longest_match
 from .plan import DraftPlan
+from .recycle import SuccessorTable
 from .runner import LayerRunner
 from .scoring import Scorer
 from .tree import TokenTree
@@ -42,6 +47,7 @@ class Draft:
     match_length: int = 0  # n-gram drafts: the length of the matched suffix
     tree: TokenTree | None = None  # n-gram continuations or a layer draft as a tree (`tree.py`); `tokens`: its first path
     path_probs: tuple[float, ...] = ()  # a layer tree: per node, the draft's probability of the path to it
+    recycled: tuple[float, ...] = ()  # a tree's last len(recycled) nodes are recycled (`recycle.py`): their values
 
 
 TREE_BRANCHES = 4  # n-gram continuations a tree draws from
@@ -74,7 +80,8 @@ class Drafter:
         self.prefix_layers = range(self.exact_prefix)
         self.other_layers = self.draft_layers[self.exact_prefix :]
 
-    def propose(self, runner: LayerRunner, scorer: Scorer, tokens: list[int], policy) -> Draft:
+    def propose(self, runner: LayerRunner, scorer: Scorer, tokens: list[int], policy,
+                successors: SuccessorTable | None = None) -> Draft:
         """Draft after `tokens` as far as `policy` says; the last of `tokens` is not in the cache yet.
 
         `policy` (`policy.py`) has had `begin_round(budget)` called. An n-gram
@@ -82,9 +89,15 @@ class Drafter:
         policy says how much of it to verify; when that is nothing, the layers
         may draft. With the plan's `tree`, an n-gram proposal may be a tree of
         several continuations, and the layers draft a tree (`layer_tree`)
-        wherever the policy finds a wider verify pass nearly as cheap.
+        wherever the policy finds a wider verify pass nearly as cheap. With
+        `successors` (the plan's `recycle`), recycled nodes join the n-gram
+        proposal, or make a tree of their own where that beats the layers.
         """
         copied = self.ngram_draft(tokens, policy, scorer, runner.parts.vocab_size, runner.positions.device)
+        if successors is not None and policy.round_budget > 0:
+            grown = self.recycled_draft(tokens, policy, copied, successors)
+            if grown is not None:
+                return grown
         if copied is not None:
             return copied
         if self.tree_nodes and self.has_layers and policy.tree_nodes(1, self.tree_nodes,
@@ -175,6 +188,33 @@ class Drafter:
             source.append(child[(source[parent] if parent >= 0 else -1, token)])
         path_probs = tuple(proposals[c][0] for c in source)
         return Draft(paths[0], None, [], confidences=confidences, tree=tree, path_probs=path_probs)
+
+    def recycled_draft(self, tokens: list[int], policy, base: Draft | None, successors: SuccessorTable) -> Draft | None:
+        """`base` (an n-gram proposal, or None) grown with recycled nodes, as many as `policy` finds worth a
+        wider pass; None when none are.
+
+        The n-gram proposal's first path keeps its tokens and its estimated
+        acceptance; recycled nodes hang under the root and under that path.
+        """
+        if base is None:
+            base_tree, reach = None, []
+        else:
+            base_tree = base.tree or TokenTree(tuple(base.tokens), tuple(range(-1, len(base.tokens) - 1)))
+            # `base.tokens` is the tree's first path: nodes 0..len-1 (`TokenTree.from_paths`); other branches: 0.
+            first = policy.ngram_reach(base.match_length, len(base.tokens))
+            reach = first + [0.0] * (len(base_tree) - len(first))
+        tree, values = successors.grow(tokens[-2] if len(tokens) > 1 else None, tokens[-1], base_tree, reach,
+                                       max_nodes=self.tree_nodes, max_depth=policy.round_budget)
+        base_nodes = len(base_tree) if base_tree is not None else 0
+        added = policy.recycled_nodes(values, base_nodes=base_nodes, base_expected=1.0 + sum(reach),
+                                      layers=self.has_layers)
+        if not added:
+            return None
+        tree = TokenTree(tree.tokens[: base_nodes + added], tree.parents[: base_nodes + added])
+        if base is None:
+            return Draft(list(tree.path_tokens(tree.path_to(0))), None, [], source="recycled", tree=tree,
+                         recycled=tuple(values[:added]))
+        return dataclasses.replace(base, probs=None, tree=tree, recycled=tuple(values[:added]))
 
     def ngram_draft(self, tokens: list[int], policy, scorer: Scorer, vocab_size: int, device) -> Draft | None:
         """An n-gram proposal cut to the length `policy` finds worth verifying, or None (no match, or not worth it).

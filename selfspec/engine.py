@@ -50,6 +50,7 @@ from .passes import TargetPasses
 from .plan import DraftPlan
 from .policy import AdaptivePolicy, CostPolicy
 from .quant import describe_quantization
+from .recycle import SuccessorTable, chain_contexts, tree_contexts
 from .registry import adapter_for
 from .runner import LayerRunner
 from .scoring import Scorer
@@ -133,6 +134,9 @@ class SelfSpecModel:
         self.step = self._resolve_step(step)
         self.graphed: GraphedRunner | None = None  # kept across generations: its graphs hold its cache's addresses
         self.last_stats: GenerationStats | BatchStats | None = None
+        # A recycled-draft plan's successor table (`recycle.py`) lives across greedy generations: it only ever
+        # changes what is drafted. Sampling starts each call afresh, so a seed reproduces its sample.
+        self.successors = SuccessorTable()
 
     def _resolve_step(self, step: str) -> str:
         if step not in STEPS:
@@ -428,6 +432,9 @@ class SelfSpecModel:
             weights, head = self.layer_weights
             auto = AutoLayers(self.drafter, self.passes, layer_weights=weights, head_weight=head,
                               device=self.parts.device, probe_verify=not isinstance(runner, GraphedRunner))
+        successors = None
+        if self.plan.recycle and self.plan.drafts:
+            successors = SuccessorTable() if settings.do_sample else self.successors
         scorer = Scorer(settings, generator)
         out = Output(prompt, settings, streamer)
         stats = GenerationStats(plan=self.describe_plan())
@@ -436,12 +443,14 @@ class SelfSpecModel:
 
         # Prefill: the prompt through every layer; its last row gives the first new token.
         first_scores = scorer.scores(self.passes.prefill(runner, prompt), out.tokens, len(out.tokens))
+        if successors is not None:
+            successors.record(chain_contexts(prompt, []), first_scores)
         out.emit([scorer.target_choice(first_scores)])
         stats.verify_passes += 1
         stats.prefill_seconds = clock.lap()
 
         if self.step == "eager":
-            self._eager_rounds(runner, policy, scorer, out, stats, clock, auto)
+            self._eager_rounds(runner, policy, scorer, out, stats, clock, auto, successors)
         else:
             run_static_rounds(runner=runner, drafter=self.drafter, passes=self.passes, policy=policy, scorer=scorer,
                               out=out, stats=stats, draft_length=self.plan.draft_length, generator=generator,
@@ -464,23 +473,25 @@ class SelfSpecModel:
         return out.tokens, stats
 
     def _eager_rounds(self, runner: LayerRunner, policy, scorer: Scorer, out: "Output", stats: GenerationStats,
-                      clock: "Clock", auto: AutoLayers | None) -> None:
+                      clock: "Clock", auto: AutoLayers | None, successors: SuccessorTable | None) -> None:
         """The rounds of the eager step: shapes follow the tokens; each drafted token is read back as chosen."""
         while not out.done:
             start = len(out.tokens) - 1  # position of the last emitted token, not in the cache yet
             if auto is not None:  # an auto plan: maybe another layer set from this round
                 auto.before_round(policy)
             policy.begin_round(min(self.plan.draft_length, out.remaining - 1), context=start)
-            # 1. draft: an n-gram match, else the plan's layers, as far as the policy finds it pays
-            draft = self.drafter.propose(runner, scorer, out.tokens, policy)
+            # 1. draft: an n-gram match, recycled predictions, else the plan's layers, as far as the policy finds it pays
+            draft = self.drafter.propose(runner, scorer, out.tokens, policy, successors)
             draft_seconds = clock.lap()
             if draft.tree is not None:  # several continuations at once
-                self._tree_round(runner, draft, start, policy, scorer, out, stats, clock, draft_seconds)
+                self._tree_round(runner, draft, start, policy, scorer, out, stats, clock, draft_seconds, successors)
                 continue
             # 2. verify: one pass of the target over the last token and the draft
             ids = torch.tensor([[out.tokens[-1], *draft.tokens]], device=runner.positions.device)  # [1, k+1]
             checked = self.passes.verify(runner, ids, draft.boundary, start)
             scores = scorer.scores(checked.logits, out.tokens + draft.tokens, len(out.tokens))  # [k+1, vocab]
+            if successors is not None:
+                successors.record(chain_contexts(out.tokens, draft.tokens), scores)
             # 3. accept
             if scorer.do_sample:
                 verdict = accept_sampling(draft.tokens, draft.probs, scorer.probs(scores), scorer.generator)
@@ -499,12 +510,15 @@ class SelfSpecModel:
                            width=len(draft.tokens) + 1)
 
     def _tree_round(self, runner: LayerRunner, draft: Draft, start: int, policy, scorer: Scorer, out: "Output",
-                    stats: GenerationStats, clock: "Clock", draft_seconds: float) -> None:
+                    stats: GenerationStats, clock: "Clock", draft_seconds: float,
+                    successors: SuccessorTable | None) -> None:
         """Verify a token tree in one pass, keep a path (greedy or sampling), compact the cache (`tree.py`)."""
         tree = draft.tree
         ids = torch.tensor([[out.tokens[-1], *tree.tokens]], device=runner.positions.device)  # [1, n+1]
         checked = self.passes.verify_tree(runner, ids, tree, start)
         scores = scorer.tree_scores(checked.logits, out.tokens, tree)  # [n+1, vocab]
+        if successors is not None:  # every row, rejected nodes' too: the recycling
+            successors.record(tree_contexts(out.tokens, tree), scores)
         if scorer.do_sample:
             path, next_token = accept_tree_sampling(tree, scorer.probs(scores), scorer.generator)
         else:
@@ -512,8 +526,13 @@ class SelfSpecModel:
         self.passes.keep_tree_path(runner, checked, tree, path, start)
         verify_seconds = clock.lap()
         out.emit(tree.path_tokens(path) + [next_token])
+        first_recycled = len(tree) - len(draft.recycled)  # the tree's last nodes are the recycled ones
+        recycled_kept = sum(node >= first_recycled for node in path)
+        if draft.recycled:
+            policy.observe_recycled(predicted=sum(draft.recycled), accepted=recycled_kept)
         stats.record_round(drafted=len(tree), accepted=len(path), draft_seconds=draft_seconds,
-                           verify_seconds=verify_seconds, source=f"{draft.source} tree")
+                           verify_seconds=verify_seconds, source=f"{draft.source} tree",
+                           recycled=(len(draft.recycled), recycled_kept))
         # An n-gram tree teaches the policy how far its first path (the chain it would have verified) was kept; a
         # layer tree, how deep its kept path went (its confidences are the share of probability each level kept).
         kept = len(path) if draft.source == "layers" else tree.first_path_kept(path)

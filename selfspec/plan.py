@@ -33,7 +33,10 @@ left out (then a round without a match is a plain step).
 (`tree.py`): several n-gram continuations, or a layer draft grown level by
 level over its likeliest nodes, so that it branches where the draft is
 unsure (the eager step). The cost policy adds branches only while the wider
-pass costs about what the chain's does.
+pass costs about what the chain's does. `recycle=True` (with `tree`) also
+grows trees from the target's own past predictions (`recycle.py`, Token
+Recycling): a free draft, sized by the cost policy, tried after an n-gram
+match and before the layers (the eager step).
 
 Two optional artifacts make the layer draft better or cheaper (each a path
 to a manifest, resolved against the plan file's folder when loaded from one):
@@ -85,6 +88,7 @@ class DraftPlan:
     policy: str = "cost"
     tree: int = 0  # most nodes a drafted token tree may hold (0: chains only); see `tree.py` and `draft.py`
     auto: bool = False  # the draft's layers are chosen per context while generating (`auto_layers.py`)
+    recycle: bool = False  # trees also grow from the target's own past predictions (`recycle.py`); needs `tree`
 
     def __post_init__(self) -> None:
         # One strict rule for every field: the type it names (ints are ints, never bools, floats or strings).
@@ -110,6 +114,11 @@ class DraftPlan:
             raise ValueError(f"policy={self.policy!r} is not a draft-length policy (valid: {', '.join(POLICIES)})")
         if not isinstance(self.auto, bool):
             raise ValueError(f"auto must be true or false, got {self.auto!r}")
+        if not isinstance(self.recycle, bool):
+            raise ValueError(f"recycle must be true or false, got {self.recycle!r}")
+        if self.recycle and not self.tree:
+            raise ValueError("recycle=True drafts token trees from the target's past predictions: give tree=N "
+                             "(the most nodes a tree may hold), e.g. tree=16")
         if self.auto:
             named = [f for f in ("layers", "exit_layer", "head") if getattr(self, f) is not None]
             if named:
@@ -143,7 +152,7 @@ class DraftPlan:
         if self.exit_layer is not None:
             _check_int("exit_layer", self.exit_layer, 1, None)
             return
-        if (self.layers is None or len(self.layers) == 0) and not self.ngram and not self.auto:
+        if (self.layers is None or len(self.layers) == 0) and not self.ngram and not self.auto and not self.recycle:
             raise ValueError(
                 "empty plan: give exit_layer=E (E >= 1) or a non-empty layers=[...] list, "
                 "or draft_length=0 for plain decoding"
@@ -235,6 +244,8 @@ class DraftPlan:
             where += f", draft vocabulary {size} from {os.path.basename(self.draft_vocab)}"
         if self.tree and (layers or self.auto):
             where += " (branching where unsure)"
+        if self.recycle:
+            where = f"recycled predictions, then {where}"
         if self.ngram:
             tree = ", as a tree" if self.tree else ""
             where = f"n-gram lookup (n<={self.ngram}{tree}), then {where}"

@@ -226,6 +226,7 @@ class CostPolicy:
         self.reach = 1.0  # chance that every token drafted so far this round is accepted
         self.expected = 1.0  # expected emitted tokens if the round stopped now
         self.draft_scale = 1.0  # a drafted token's cost relative to the table's draft step (auto plans' other sets)
+        self.recycled = Calibration()  # of the recycled nodes' recorded path probabilities, the share accepted
 
     def use_layers(self, key: object, *, exact_prefix: int, draft_scale: float) -> None:
         """Draft with another layer set from the next round (auto plans): its estimates, exact prefix and cost."""
@@ -241,14 +242,56 @@ class CostPolicy:
         """
         active = (self.acceptance.positions, self.acceptance.cells, self.exact_prefix, self.draft_scale)
         self.use_layers(key, exact_prefix=exact_prefix, draft_scale=draft_scale)
-        budget, reach, expected = self.round_budget, self.reach, self.expected
-        self.round_budget, self.reach, self.expected = self.max_length, 1.0, 1.0
-        k = self.draft_length_from(0) if self.costs.table.draft_step else 0
-        rate = 1.0 + sum(math.prod(self.acceptance.layer_position(j + 1) for j in range(i + 1)) for i in range(k))
-        rate /= k * self.costs.draft() * self.draft_scale + self.costs.verify(k + 1, self.exact_prefix if k else 0)
-        self.round_budget, self.reach, self.expected = budget, reach, expected
+        budget = self.round_budget
+        self.round_budget = self.max_length
+        rate = self.layer_draft_rate()
+        self.round_budget = budget
         self.acceptance.positions, self.acceptance.cells, self.exact_prefix, self.draft_scale = active
         return rate
+
+    def layer_draft_rate(self) -> float:
+        """Expected tokens per second of this round's layer draft at its best length, before drafting (0: none)."""
+        reach, expected = self.reach, self.expected
+        self.reach, self.expected = 1.0, 1.0
+        k = self.draft_length_from(0) if self.round_budget > 0 and self.costs.table.draft_step else 0
+        self.reach, self.expected = reach, expected
+        if not k:
+            return 0.0
+        gained = 1.0 + sum(math.prod(self.acceptance.layer_position(j + 1) for j in range(i + 1)) for i in range(k))
+        return gained / (k * self.costs.draft() * self.draft_scale + self.costs.verify(k + 1, self.exact_prefix))
+
+    def ngram_reach(self, match_length: int, length: int) -> list[float]:
+        """Per token of an n-gram proposal's first `length` tokens: the estimated chance it is accepted."""
+        reach, chance = [], 1.0
+        for j in range(length):
+            chance *= self.acceptance.ngram_token(match_length, j + 1)
+            reach.append(chance)
+        return reach
+
+    def recycled_nodes(self, values: Sequence[float], *, base_nodes: int, base_expected: float,
+                       layers: bool) -> int:
+        """How many recycled nodes (`recycle.py`, best first, recorded path probabilities `values`) to add to a
+        draft of `base_nodes` nodes that is expected to emit `base_expected` tokens; 0 when none pay.
+
+        Predictions are scaled by what recycled nodes earned so far. With no
+        base draft, the tree must also beat a plain step and, when `layers`
+        may draft, the layer draft's expected rate.
+        """
+        ratio = self.recycled.ratio
+        best_m, best_rate = 0, base_expected / self.costs.verify(base_nodes + 1)
+        if not base_nodes and layers:
+            best_rate = max(best_rate, self.layer_draft_rate())
+        gained = base_expected
+        for m, value in enumerate(values, 1):
+            gained += ratio * value
+            rate = gained / self.costs.verify(base_nodes + m + 1)
+            if rate > best_rate * (1 + 1e-9):
+                best_m, best_rate = m, rate
+        return best_m
+
+    def observe_recycled(self, *, predicted: float, accepted: int) -> None:
+        """A verified tree held recycled nodes predicted to add `predicted` tokens; `accepted` of them were kept."""
+        self.recycled.observe(predicted=predicted, realized=accepted)
 
     def begin_round(self, budget: int, *, context: int | None = None) -> None:
         """A new round that may draft `budget` tokens, with `context` entries in the cache (what passes cost)."""
@@ -302,7 +345,9 @@ class CostPolicy:
 
     def observe(self, draft: Draft, accepted: int, *, draft_seconds: float, verify_seconds: float, width: int) -> None:
         self.acceptance.decay()
-        self.acceptance.observe(draft, accepted)
+        self.recycled.decay()
+        if draft.source != "recycled":  # a recycled tree teaches `recycled` (`observe_recycled`), not the sources
+            self.acceptance.observe(draft, accepted)
         layered = draft.source == "layers" and draft.tokens
         resumed = layered and draft.tree is None  # a tree's verify pass runs every layer
         self.costs.observe_verify(width, self.exact_prefix if resumed else 0, verify_seconds)
@@ -366,6 +411,16 @@ class AdaptivePolicy:
     def tree_nodes(self, chain: int, max_nodes: int, *, exact_prefix: int = 0) -> int:
         return max(chain, max_nodes)  # the plan's node budget, whatever it costs
 
+    def ngram_reach(self, match_length: int, length: int) -> list[float]:
+        return [self.target ** (j + 1) for j in range(length)]  # the plan's target acceptance, per token
+
+    def recycled_nodes(self, values: Sequence[float], *, base_nodes: int, base_expected: float,
+                       layers: bool) -> int:
+        return len(values)  # a recycled tree fills the plan's node budget, whatever it costs
+
+    def observe_recycled(self, *, predicted: float, accepted: int) -> None:
+        pass  # the fixed policy does not size trees
+
     def planned_length(self) -> int:
         """The static step drafts the budget: the confidence threshold would need a read back per token."""
         return self.layer_budget
@@ -377,7 +432,7 @@ class AdaptivePolicy:
         return not drafted or threshold is None or confidence is None or confidence >= threshold
 
     def observe(self, draft: Draft, accepted: int, *, draft_seconds: float, verify_seconds: float, width: int) -> None:
-        if draft.source == "ngram":  # the layer policy learns from layer drafts only
+        if draft.source in ("ngram", "recycled"):  # the layer policy learns from layer drafts only
             self.update(drafted=0, accepted=0, draft_seconds=0.0, verify_seconds=verify_seconds)
         else:
             self.update(drafted=len(draft.tokens), accepted=accepted, draft_seconds=draft_seconds,

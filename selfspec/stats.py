@@ -30,6 +30,8 @@ class GenerationStats:
     layer_tree_rounds: int = 0  # of `tree_rounds`, those of layer drafts
     tree_nodes: int = 0  # nodes those trees held
     tree_accepted: int = 0  # tokens kept from them (the accepted path)
+    recycled_drafted: int = 0  # recycled nodes verified (`recycle.py`)
+    recycled_accepted: int = 0  # of them, those on kept paths
     rounds_without_draft: int = 0  # plain steps: drafting off, paused, or no budget left
     accepted_lengths: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
@@ -52,6 +54,14 @@ class GenerationStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
+    def layer_drafted(self) -> int:
+        return self.drafted - self.ngram_drafted - self.recycled_drafted
+
+    @property
+    def layer_accepted(self) -> int:
+        return self.accepted - self.ngram_accepted - self.recycled_accepted
+
+    @property
     def tokens_per_pass(self) -> float:
         """Emitted tokens per full forward pass (tau); 1.00 for plain decoding."""
         return self.new_tokens / self.verify_passes if self.verify_passes else 0.0
@@ -61,17 +71,21 @@ class GenerationStats:
         return self.new_tokens / self.total_seconds if self.total_seconds else 0.0
 
     def record_round(
-        self, *, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float, source: str = "layers"
+        self, *, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float, source: str = "layers",
+        recycled: tuple[int, int] = (0, 0),
     ) -> None:
+        """One round; `recycled`: of its drafted and accepted tokens, those from recycled nodes."""
         self.rounds += 1
         if source.endswith(" tree"):
             self.tree_rounds += 1
             self.tree_nodes += drafted
             self.tree_accepted += accepted
             self.layer_tree_rounds += source == "layers tree"
+        self.recycled_drafted += recycled[0]
+        self.recycled_accepted += recycled[1]
         if source in ("ngram", "ngram tree"):
-            self.ngram_drafted += drafted
-            self.ngram_accepted += accepted
+            self.ngram_drafted += drafted - recycled[0]
+            self.ngram_accepted += accepted - recycled[1]
         self.draft_seconds += draft_seconds
         self.verify_seconds += verify_seconds
         self.rounds_without_draft += drafted == 0
@@ -111,8 +125,9 @@ class GenerationStats:
             f"drafted length histogram: {self.drafted_lengths}; accepted length histogram: {self.accepted_lengths}",
             *(
                 [f"from n-gram lookup: drafted {self.ngram_drafted}, accepted {self.ngram_accepted}; "
-                 f"from layers: drafted {self.drafted - self.ngram_drafted}, accepted {self.accepted - self.ngram_accepted}"]
-                if self.ngram_drafted else []
+                 f"recycled: drafted {self.recycled_drafted}, accepted {self.recycled_accepted}; "
+                 f"from layers: drafted {self.layer_drafted}, accepted {self.layer_accepted}"]
+                if self.ngram_drafted or self.recycled_drafted else []
             ),
             *(
                 [f"token trees: {self.tree_rounds} rounds, {self.tree_nodes} nodes verified, "

@@ -11,27 +11,30 @@ import selfspec
 @st.composite
 def plans(draw, num_layers: int, max_draft_length: int = 10):
     """Random plans: early exits, layer subsets or layers chosen per context (auto), draft lengths 1..max, fixed,
-    adaptive or cost-chosen, with or without n-grams, any of them drafting token trees."""
+    adaptive or cost-chosen, with or without n-grams, any of them drafting token trees, trees with or without
+    recycled nodes."""
     draft_length = draw(st.integers(1, max_draft_length))
     if draw(st.integers(0, 5)) == 0:  # an auto plan: n-grams or not, trees or not, k by cost
         ngram = draw(st.sampled_from([0, 3]))
-        return selfspec.DraftPlan(auto=True, draft_length=draft_length, ngram=ngram,
-                                  tree=draw(st.sampled_from([0, 8])))
+        tree = draw(st.sampled_from([0, 8]))
+        return selfspec.DraftPlan(auto=True, draft_length=draft_length, ngram=ngram, tree=tree,
+                                  recycle=bool(tree) and draw(st.booleans()))
     policy = draw(st.sampled_from(["fixed", "fixed", "cost"]))
     adaptive = draw(st.booleans())
     threshold = draw(st.floats(0.05, 0.95))
     ngram = draw(st.sampled_from([0, 0, 1, 3]))
     tree = draw(st.sampled_from([0, 0, 6, 12]))  # n-gram continuations, or a layer draft's runners-up, as trees
-    if ngram and draw(st.booleans()):
+    recycle = bool(tree) and draw(st.booleans())  # and nodes grown from the target's recorded predictions
+    if (ngram or recycle) and draw(st.booleans()):
         return selfspec.DraftPlan(draft_length=draft_length, adaptive=adaptive, threshold=threshold, ngram=ngram,
-                                  policy=policy, tree=tree)
+                                  policy=policy, tree=tree, recycle=recycle)
     if draw(st.booleans()):
         where = dict(exit_layer=draw(st.integers(1, num_layers)))
     else:
         subset = draw(st.sets(st.integers(0, num_layers - 1), min_size=1, max_size=num_layers))
         where = dict(layers=sorted(subset))
     return selfspec.DraftPlan(draft_length=draft_length, adaptive=adaptive, threshold=threshold, ngram=ngram,
-                              policy=policy, tree=tree, **where)
+                              policy=policy, tree=tree, recycle=recycle, **where)
 
 
 def assert_same(out: torch.Tensor, ref: torch.Tensor, plan) -> None:

@@ -143,6 +143,22 @@ def test_runtime_costs_follow_what_rounds_measure():
     assert frozen.verify(2) == 1.0
 
 
+def test_one_widths_correction_stays_near_its_bands():
+    """A burst of load on the rounds of one width cannot price it out for good (nor carry that to the next run)."""
+    table = PassCosts((1.0, 1.0, 1.0, 1.0), 0.2, 6)
+    costs = RuntimeCosts(table)
+    for _ in range(9):
+        costs.observe_verify(1, 0, 1.0)
+        costs.observe_verify(2, 0, 1.1)
+    for _ in range(5):
+        costs.observe_verify(3, 0, 4.0)  # width 3's rounds all ran under other load
+    general = costs.ratio(4, None)  # an unseen width: the band's median
+    assert costs.verify(3) == pytest.approx(general * selfspec.costs.SHAPE_SLACK)
+    assert costs.verify(2) == pytest.approx(1.1)  # a correction within the slack is kept as measured
+    refined = costs.refined()
+    assert refined.verify[2] == pytest.approx(general * selfspec.costs.SHAPE_SLACK) and refined.verify[2] < 2.0
+
+
 def test_cost_table_rejects_nonsense_and_round_trips():
     with pytest.raises(ValueError, match="positive"):
         PassCosts((1.0, 0.0), 0.1, 4)

@@ -20,8 +20,9 @@ What is tested
    vocabulary of 6 of the 16 tokens (q is zero outside it, p is not), and
    n-gram token trees (a prompt where every token has two successors), a
    head's draft grown as a tree (a pass per level over its likeliest nodes,
-   with temperature and top-p), and an auto plan
-   whose layers are re-chosen every round.
+   with temperature and top-p), an auto plan
+   whose layers are re-chosen every round, and recycled trees (grown from
+   the target's probabilities recorded earlier in the same generation).
    An engine that always accepts the draft must fail the same check.
    A batch of two rows of other lengths (n-gram drafts, `batch.py`): each row's
    first four tokens follow its own exact law; always-accept fails it.
@@ -42,13 +43,13 @@ c = ln(2 V / DELTA), so each check falsely fails with probability at most
 DELTA = 1e-7, whatever the number of cells. A cell with p_i = 0 that is ever
 observed gives KL = inf: an impossible token fails the check outright.
 
-This file runs CHECKS_IN_FILE = 136 such checks on samples whose law is the
+This file runs CHECKS_IN_FILE = 144 such checks on samples whose law is the
 reference law (test 1: 6 pairs for each of the two implementations of the
 rule, the host one and the device one of the static step, + 4 Markov-chain
 checks + 1 token-tree check + 7 checks that the wrong-rule harnesses produce
-the wrong rules' own exact laws; test 2: 12 cases x 8, three of them on the
+the wrong rules' own exact laws; test 2: 13 cases x 8, three of them on the
 static step; + 16 checks of a batch's two rows), so over random seeds the whole
-file would falsely fail with probability at most 136 * 1e-7 = 1.4e-5. All seeds are fixed, so the outcome is
+file would falsely fail with probability at most 144 * 1e-7 = 1.4e-5. All seeds are fixed, so the outcome is
 deterministic anyway.
 
 Power (a wrong sampler must fail): in test 1 a wrong rule is only run on
@@ -86,7 +87,7 @@ from selfspec.testing import make_head, make_vocab
 from selfspec.tree import TokenTree, accept_tree_sampling, accept_tree_sampling_on_device
 
 DELTA = 1e-7  # false-failure probability bound of one `assert_distribution` check
-CHECKS_IN_FILE = 136  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
+CHECKS_IN_FILE = 144  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -485,6 +486,11 @@ CASES[HEAD_TREE_CASE] = (
     dict(temperature=0.8, top_p=0.9),
     LogitsProcessorList([TemperatureLogitsWarper(0.8), TopPLogitsWarper(0.9)]),
 )
+# Recycled trees (`recycle.py`): grown from the target's own probabilities recorded in this generation's earlier
+# passes (a sampled generation starts from an empty table), their tokens fixed candidates for recursive rejection.
+RECYCLED_CASE = "T=1, recycled trees (<= 6 nodes), k<=3"
+CASES[RECYCLED_CASE] = (selfspec.DraftPlan(recycle=True, tree=6, draft_length=3, policy="fixed"),
+                        dict(temperature=1.0), LogitsProcessorList([]))
 PROMPTS = {case: TREE_PROMPT for case in CASES if "trees" in case}
 STEPS = {case: "static" for case in CASES if case.startswith("static step")}
 
@@ -492,7 +498,8 @@ STEPS = {case: "static" for case in CASES if case.startswith("static step")}
 def run_many(spec, n: int, seed: int, prompt: torch.Tensor = PROMPT, **sampling) -> tuple[torch.Tensor, dict]:
     g = torch.Generator().manual_seed(seed)
     seen = collections.Counter()
-    totals = dict(drafted=0, accepted=0, recovered=0, bonus=0, tree_rounds=0, layer_tree_rounds=0)
+    totals = dict(drafted=0, accepted=0, recovered=0, bonus=0, tree_rounds=0, layer_tree_rounds=0,
+                  recycled_drafted=0, recycled_accepted=0)
     totals["layer set changes"] = 0
     for _ in range(n):
         out = spec.generate(prompt, max_new_tokens=NEW, do_sample=True, generator=g, **sampling)
@@ -536,6 +543,8 @@ def test_sampling_matches_exact_target_law(model, artifacts, case, monkeypatch):
     assert totals["accepted"] < totals["drafted"], totals
     if case in PROMPTS:  # trees were verified, not just chains (a tree's round has no bonus: not all nodes are kept)
         assert totals["tree_rounds"] > N_E2E / 2 and totals["recovered"] > 0, totals
+    if case == RECYCLED_CASE:
+        assert totals["recycled_accepted"] > N_E2E / 4 and totals["recycled_drafted"] > 2 * N_E2E, totals
     elif case == HEAD_TREE_CASE:
         assert totals["layer_tree_rounds"] > N_E2E / 2 and totals["recovered"] > 0, totals
     else:

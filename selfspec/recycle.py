@@ -1,0 +1,124 @@
+"""Recycled drafts: token trees grown from the target's own past predictions, with no model computation.
+
+Every pass the target runs scores each of its rows, the rows of drafted
+tokens it rejects included. `SuccessorTable` keeps, per row, the target's
+`TOP` likeliest next tokens and their probabilities, keyed by the row's token
+and the token before it (and by the row's token alone, the fallback when
+the pair was never seen). A later round grows a tree under the last emitted
+token from that table, best first by the product of the recorded
+probabilities along each path, and the target verifies it in one pass like
+any tree (`tree.py`). This is Token Recycling (Luo et al., 2024): a draft
+that reads a small table instead of running layers, so it costs what a
+wider verify pass costs and nothing else.
+
+The recorded probabilities were the target's under another context, so they
+are not the chance that a path is accepted; the cost policy scales them by
+what recycled nodes actually earned (`policy.Calibration`) before it decides
+how many nodes are worth a wider pass.
+
+Nothing recorded changes what is kept: the tree's tokens are fixed candidates,
+and the acceptance rules (greedy, or recursive rejection when sampling) keep
+exactly the target's tokens. The table holds ids and floats only (a few MiB
+at most): no weights and no cache entries.
+
+This module records and grows trees; it runs no layers and decides no lengths.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+
+import torch
+
+from .tree import TokenTree
+
+TOP = 8  # successors kept per recorded row
+PAIR_CAPACITY = 1 << 16  # (previous, token) keys kept, the least recently written dropped first
+
+
+class SuccessorTable:
+    """The target's latest top-`TOP` next tokens per (previous token, token), and per token."""
+
+    def __init__(self) -> None:
+        self.by_token: dict[int, tuple[tuple[int, ...], tuple[float, ...]]] = {}
+        self.by_pair: OrderedDict[tuple[int, int], tuple[tuple[int, ...], tuple[float, ...]]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.by_token)
+
+    def record(self, contexts: list[tuple[int | None, int]], scores: torch.Tensor) -> None:
+        """Row r of `scores` `[rows, vocab]` (the target's scores after the row) follows `contexts[r]`:
+        (the token before the row's, or None at the start; the row's token)."""
+        top_p, top_t = torch.softmax(scores.float(), dim=-1).topk(min(TOP, scores.shape[-1]))  # [rows, TOP]
+        for (previous, token), tokens, probs in zip(contexts, top_t.tolist(), top_p.tolist()):
+            entry = (tuple(tokens), tuple(probs))
+            self.by_token[token] = entry
+            if previous is not None:
+                self.by_pair[(previous, token)] = entry
+                self.by_pair.move_to_end((previous, token))
+                if len(self.by_pair) > PAIR_CAPACITY:
+                    self.by_pair.popitem(last=False)
+
+    def successors(self, previous: int | None, token: int) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
+        """The latest recorded next tokens after `token` (preceded by `previous`), likeliest first, or None."""
+        found = self.by_pair.get((previous, token)) if previous is not None else None
+        return found if found is not None else self.by_token.get(token)
+
+    def grow(self, previous: int | None, last: int, base: TokenTree | None, base_reach: list[float], *,
+             max_nodes: int, max_depth: int) -> tuple[TokenTree, list[float]]:
+        """`base` (may be None: no nodes) with recycled nodes added, best first, up to `max_nodes` nodes in all.
+
+        `last` is the round's root token and `previous` the one before it;
+        `base_reach[i]` is the estimated chance that base node i is reached
+        (its path accepted). A recycled node's value is its parent's reach
+        times the recorded probability of its token; none lies deeper than
+        `max_depth`. Returns the tree (base nodes first, in their order) and,
+        per recycled node, in order, its value.
+        """
+        tokens = list(base.tokens) if base is not None else []
+        parents = list(base.parents) if base is not None else []
+        depths = base.depths()[1:] if base is not None else []
+        taken = set(zip(parents, tokens))  # (parent, token): no two siblings hold one token
+        values: list[float] = []
+        frontier: list[tuple[float, int, int, int]] = []  # (-value, tie-break, token, parent)
+
+        def expand(node: int, reach: float) -> None:
+            if (depths[node] if node >= 0 else 0) >= max_depth:
+                return
+            before = last if node < 0 else (tokens[parents[node]] if parents[node] >= 0 else last)
+            here = last if node < 0 else tokens[node]
+            found = self.successors(previous if node < 0 else before, here)
+            if found is None:
+                return
+            for token, p in zip(*found):
+                if (node, token) not in taken:
+                    heapq.heappush(frontier, (-reach * p, len(tokens) * TOP + len(frontier), token, node))
+
+        expand(-1, 1.0)
+        for node, reach in enumerate(base_reach):
+            expand(node, reach)
+        while frontier and len(tokens) < max_nodes:
+            negative, _, token, parent = heapq.heappop(frontier)
+            if (parent, token) in taken:
+                continue
+            taken.add((parent, token))
+            tokens.append(token)
+            parents.append(parent)
+            depths.append(depths[parent] + 1 if parent >= 0 else 1)
+            values.append(-negative)
+            expand(len(tokens) - 1, -negative)
+        return TokenTree(tuple(tokens), tuple(parents)), values
+
+
+def chain_contexts(tokens: list[int], drafted: list[int]) -> list[tuple[int | None, int]]:
+    """What `SuccessorTable.record` takes for a chain's verify pass over `tokens[-1]` and `drafted`."""
+    rows = [tokens[-1], *drafted]
+    return list(zip([tokens[-2] if len(tokens) > 1 else None, *rows[:-1]], rows))
+
+
+def tree_contexts(tokens: list[int], tree: TokenTree) -> list[tuple[int | None, int]]:
+    """The same for a tree's verify pass: the root `tokens[-1]`, then every node under its parent."""
+    last = tokens[-1]
+    return [(tokens[-2] if len(tokens) > 1 else None, last),
+            *((tree.tokens[parent] if parent >= 0 else last, token) for token, parent in zip(tree.tokens, tree.parents))]

@@ -1,0 +1,197 @@
+"""Recycled drafts (`recycle.py`): trees grown from the target's own past predictions.
+
+- the successor table: what a row records, the pair key and its fallback, the
+  pair capacity, and trees grown best first within their node and depth
+  budgets, under an n-gram proposal's first path;
+- greedy generation with recycled trees equals `model.generate` for every
+  architecture (alone, after n-grams, with layers, auto, fixed and cost
+  policies), and recycled nodes really were verified and kept;
+- the table carries over between greedy calls (drafts from the first round);
+  sampling starts afresh, so a seed reproduces its sample;
+- the cost policy sizes recycled trees: none where a wide pass costs its
+  width in plain steps, and it scales the recorded probabilities by what
+  recycled nodes earned;
+- plan checks (recycle needs a tree) and the stats' recycled counts.
+
+The law of sampled tokens with recycled trees is checked in test_sampling.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import selfspec
+import selfspec.recycle
+from plan_strategies import assert_same
+from selfspec.costs import PassCosts, RuntimeCosts
+from selfspec.policy import CostPolicy
+from selfspec.recycle import SuccessorTable, chain_contexts, tree_contexts
+from selfspec.testing import TINY_CONFIGS, has_window, random_prompt, tiny_model
+from selfspec.tree import TokenTree
+
+ARCHS = sorted(TINY_CONFIGS)
+
+
+def scores_for(rows: list[dict[int, float]], vocab: int = 32) -> torch.Tensor:
+    """`[rows, vocab]` log-probabilities: each row's listed tokens at their probabilities, the rest spread evenly."""
+    probs = torch.zeros(len(rows), vocab)
+    for r, row in enumerate(rows):
+        probs[r] = (1.0 - sum(row.values())) / (vocab - len(row))
+        for token, p in row.items():
+            probs[r, token] = p
+    return probs.log()
+
+
+def test_a_row_records_its_top_tokens_under_its_pair_and_its_token():
+    table = SuccessorTable()
+    table.record([(None, 5), (5, 7)], scores_for([{1: 0.6, 2: 0.3}, {3: 0.9}]))
+    tokens, probs = table.successors(None, 5)
+    assert tokens[:2] == (1, 2) and probs[0] == pytest.approx(0.6, abs=1e-3) and len(tokens) == selfspec.recycle.TOP
+    assert table.successors(5, 7)[0][0] == 3
+    # the pair is more specific than the token: a later row of token 7 after another token does not replace it
+    table.record([(9, 7)], scores_for([{4: 0.8}]))
+    assert table.successors(5, 7)[0][0] == 3 and table.successors(9, 7)[0][0] == 4
+    assert table.successors(11, 7)[0][0] == 4  # an unseen pair falls back to the token's latest row
+    assert table.successors(11, 12) is None
+
+
+def test_the_pair_table_drops_its_oldest_key_at_capacity(monkeypatch):
+    monkeypatch.setattr(selfspec.recycle, "PAIR_CAPACITY", 2)
+    table = SuccessorTable()
+    table.record([(1, 2), (2, 3), (3, 4)], scores_for([{5: 0.9}, {6: 0.9}, {7: 0.9}]))
+    assert list(table.by_pair) == [(2, 3), (3, 4)] and len(table) == 3
+
+
+def test_a_tree_grows_best_first_within_its_budgets():
+    table = SuccessorTable()
+    # after 1: 2 (0.7) or 3 (0.2); after 2: 4 (0.9); after 4: 5 (0.9); after 3: 6 (0.5)
+    table.record([(0, 1), (1, 2), (2, 4), (1, 3)],
+                 scores_for([{2: 0.7, 3: 0.2}, {4: 0.9}, {5: 0.9}, {6: 0.5}]))
+    tree, values = table.grow(0, 1, None, [], max_nodes=4, max_depth=8)
+    assert tree.tokens == (2, 4, 5, 3) and tree.parents == (-1, 0, 1, -1)
+    assert values == pytest.approx([0.7, 0.63, 0.567, 0.2], abs=1e-3)
+    assert values == sorted(values, reverse=True)
+    shallow, _ = table.grow(0, 1, None, [], max_nodes=8, max_depth=2)
+    assert max(shallow.depths()) == 2 and len(set(zip(shallow.parents, shallow.tokens))) == len(shallow)
+    assert len(table.grow(0, 1, None, [], max_nodes=3, max_depth=8)[0]) == 3
+
+
+def test_recycled_nodes_hang_under_an_ngram_proposal_and_never_repeat_its_tokens():
+    table = SuccessorTable()
+    table.record([(0, 1), (1, 2), (2, 4)], scores_for([{2: 0.7, 3: 0.2}, {4: 0.9}, {5: 0.9}]))
+    base = TokenTree((2, 9), (-1, 0))  # an n-gram chain 2, 9 after the root 1
+    tree, values = table.grow(0, 1, base, [0.5, 0.25], max_nodes=5, max_depth=8)
+    assert tree.tokens[:2] == (2, 9) and tree.parents[:2] == (-1, 0)
+    assert (-1, 2) not in set(zip(tree.parents[2:], tree.tokens[2:]))  # the root's child 2 is the proposal's
+    assert (0, 4) in set(zip(tree.parents, tree.tokens))  # under the proposal's first token, at 0.5 x 0.9
+    assert len(values) == len(tree) - 2
+
+
+def test_contexts_name_each_rows_token_and_the_one_before():
+    assert chain_contexts([4, 5], [6, 7]) == [(4, 5), (5, 6), (6, 7)]
+    assert chain_contexts([5], []) == [(None, 5)]
+    tree = TokenTree((6, 7, 8), (-1, 0, -1))
+    assert tree_contexts([4, 5], tree) == [(4, 5), (5, 6), (6, 7), (5, 8)]
+
+
+RECYCLE_PLANS = [
+    selfspec.DraftPlan(recycle=True, tree=10, draft_length=5),
+    selfspec.DraftPlan(recycle=True, tree=8, draft_length=4, policy="fixed"),
+    selfspec.DraftPlan(recycle=True, ngram=2, tree=12, draft_length=5),
+    selfspec.DraftPlan(recycle=True, ngram=2, tree=12, layers=[0, 2], draft_length=4),
+    selfspec.DraftPlan(auto=True, recycle=True, ngram=3, tree=16, draft_length=8),
+]
+
+
+def test_recycled_trees_equal_generate_on_every_architecture():
+    """float64, flat costs (trees pay): twice per plan and prompt, the second call drafting from the first's table."""
+    drafted = kept = 0
+    for arch in ARCHS:
+        model = tiny_model(arch, torch.float64, window=4 if has_window(arch) else None)
+        for seed in (1, 2):
+            prompt = random_prompt(20, seed=seed)
+            ref = model.generate(prompt, do_sample=False, max_new_tokens=48)
+            for plan in RECYCLE_PLANS:
+                spec = selfspec.wrap(model, plan=plan, costs="flat")
+                for _ in range(2):
+                    assert_same(spec.generate(prompt, max_new_tokens=48), ref, f"{arch}: {plan}")
+                    drafted += spec.last_stats.recycled_drafted
+                    kept += spec.last_stats.recycled_accepted
+    assert drafted > 1000 and kept > 100, (drafted, kept)
+
+
+def test_the_table_carries_over_between_greedy_calls_and_sampling_starts_afresh():
+    model = tiny_model("llama", torch.float64)
+    prompt = random_prompt(20, seed=1)
+    spec = selfspec.wrap(model, plan=RECYCLE_PLANS[1], costs="flat")
+    first_rounds = []
+    original = spec.drafter.recycled_draft
+
+    def recording(tokens, *args, **kwargs):
+        draft = original(tokens, *args, **kwargs)
+        if len(tokens) == prompt.shape[1] + 1:  # the first round after the prefill
+            first_rounds.append(draft is not None)
+        return draft
+
+    spec.drafter.recycled_draft = recording
+    spec.generate(prompt, max_new_tokens=32)
+    spec.generate(prompt, max_new_tokens=32)
+    # the first call's first round had only the prompt's last row; the second's has the first call's rows
+    assert first_rounds == [False, True]
+    learned = len(spec.successors)
+    runs = []
+    for _ in range(2):
+        out = spec.generate(prompt, max_new_tokens=24, do_sample=True, generator=torch.Generator().manual_seed(0))
+        runs.append(out.tolist())
+        assert spec.last_stats.recycled_drafted > 0
+    assert runs[0] == runs[1]
+    assert first_rounds[2:] == [False, False]  # sampling starts from an empty table ...
+    assert len(spec.successors) == learned  # ... and leaves the greedy one alone
+
+
+def test_the_cost_policy_sizes_recycled_trees():
+    plan = selfspec.DraftPlan(recycle=True, tree=16, draft_length=8)
+    flat = CostPolicy(plan, RuntimeCosts(PassCosts(verify=(1.0,) * 17, draft_step=0.5, num_layers=4), learn=False))
+    flat.begin_round(8)
+    values = [0.9, 0.5, 0.2, 0.1]
+    assert flat.recycled_nodes(values, base_nodes=0, base_expected=1.0, layers=False) == 4  # free nodes all pay
+    linear = CostPolicy(plan, RuntimeCosts(PassCosts(verify=tuple(range(1, 18)), draft_step=0.5, num_layers=4),
+                                           learn=False))
+    linear.begin_round(8)
+    assert linear.recycled_nodes(values, base_nodes=0, base_expected=1.0, layers=False) == 0
+    # A wide pass costing 10% more per 4 rows: the first nodes pay, the unlikely ones do not.
+    sloped = CostPolicy(plan, RuntimeCosts(PassCosts(verify=tuple(1 + 0.025 * q for q in range(17)), draft_step=0.5,
+                                                     num_layers=4), learn=False))
+    sloped.begin_round(8)
+    assert sloped.recycled_nodes([0.9, 0.1, 0.01], base_nodes=0, base_expected=1.0, layers=False) == 2
+    # Recycled nodes that never get accepted are written down: their predictions scaled toward a quarter.
+    for _ in range(40):
+        sloped.observe_recycled(predicted=1.5, accepted=0)
+    assert sloped.recycled.ratio == pytest.approx(0.25)
+    assert sloped.recycled_nodes([0.9, 0.1, 0.01], base_nodes=0, base_expected=1.0, layers=False) == 1
+
+
+def test_a_linear_cost_profile_drafts_no_recycled_tree():
+    model = tiny_model("llama", torch.float64)
+    spec = selfspec.wrap(model, plan=RECYCLE_PLANS[0], costs="linear")
+    prompt = random_prompt(20, seed=1)
+    out = spec.generate(prompt, max_new_tokens=32)
+    assert_same(out, model.generate(prompt, do_sample=False, max_new_tokens=32), RECYCLE_PLANS[0])
+    assert spec.last_stats.recycled_drafted == 0 and spec.last_stats.tree_rounds == 0
+
+
+def test_plan_checks_description_and_stats():
+    with pytest.raises(ValueError, match="recycle=True drafts token trees .* give tree=N"):
+        selfspec.DraftPlan(recycle=True, ngram=2)
+    with pytest.raises(ValueError, match="recycle must be true or false"):
+        selfspec.DraftPlan(recycle=1, tree=8)
+    plan = selfspec.DraftPlan(recycle=True, ngram=3, tree=12)
+    assert selfspec.DraftPlan.from_dict(plan.to_dict()) == plan
+    assert plan.describe(6).startswith("n-gram lookup (n<=3, as a tree), then recycled predictions")
+    model = tiny_model("llama", torch.float64)
+    spec = selfspec.wrap(model, plan=RECYCLE_PLANS[2], costs="flat")
+    spec.generate(random_prompt(20, seed=2), max_new_tokens=48)
+    stats = spec.last_stats
+    assert stats.recycled_drafted > 0 and "recycled: drafted" in str(stats)
+    assert stats.layer_drafted == stats.drafted - stats.ngram_drafted - stats.recycled_drafted
