@@ -178,9 +178,10 @@ class DraftPlan:
 
     @classmethod
     def auto_plan(cls, **overrides: Any) -> "DraftPlan":
-        """`plan="auto"`: n-gram lookup (as token trees where a wide verify is cheap), then layers chosen per
-        context, k by measured cost. The default for a model with no tuned plan."""
-        fields = {"auto": True, "ngram": 3, "tree": 16, "draft_length": 8, "name": "auto", **overrides}
+        """`plan="auto"`: n-gram lookup and recycled predictions (as token trees where a wide verify is cheap),
+        then layers chosen per context, k by measured cost. The default for a model with no tuned plan."""
+        fields = {"auto": True, "ngram": 3, "tree": 16, "recycle": True, "draft_length": 8, "name": "auto",
+                  **overrides}
         return cls(**fields)
 
     # -- what the plan means for a model with `num_layers` layers ----------------

@@ -244,7 +244,7 @@ class CostPolicy:
         self.use_layers(key, exact_prefix=exact_prefix, draft_scale=draft_scale)
         budget = self.round_budget
         self.round_budget = self.max_length
-        rate = self.layer_draft_rate()
+        rate = self.layer_draft_rate() or 1.0 / self.costs.verify(1)  # no length pays: plain steps
         self.round_budget = budget
         self.acceptance.positions, self.acceptance.cells, self.exact_prefix, self.draft_scale = active
         return rate

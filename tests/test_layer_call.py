@@ -1,0 +1,102 @@
+"""`layer_call.llama_layer`: a Llama layer computed from its parts is the layer's own forward, bit for bit.
+
+- float32, bfloat16 and float64, on the runner's passes (a prefill, a one-token step, a masked chain, a
+  token tree, a batch's rows): logits and every cache entry equal (`torch.equal`) those of the layer's own
+  forward (`decoder_layer`), with selfspec's CPU kernels in both;
+- the direct path really runs for a plain Llama layer, and anything else (a hooked module, a layer in
+  training mode, another architecture) runs the layer's own forward;
+- the llama adapter uses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import selfspec
+import selfspec.layer_call as layer_call
+from selfspec.batch import BatchRunner
+from selfspec.runner import LayerRunner
+from selfspec.testing import random_prompt, tiny_model
+from selfspec.tree import TokenTree
+
+
+def passes(parts) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The logits of a prefill, a step, a 3-token chain and a tree; then every layer's cache entries."""
+    runner = LayerRunner(parts, capacity=48)
+    prompt = random_prompt(12, seed=5)[0].tolist()
+    layers = range(parts.num_layers)
+    out = [runner.logits(runner.run(runner.embed(prompt, 0), layers, 0))]
+    out.append(runner.logits(runner.run(runner.embed([7], 12), layers, 12)))
+    out.append(runner.logits(runner.run(runner.embed([3, 9, 4], 13), layers, 13)))
+    tree = TokenTree.from_paths([[5, 6], [5, 8, 2], [1]], max_nodes=8)
+    out.append(runner.logits(runner.run(runner.embed([2, *tree.tokens], 16, tree), layers, 16, tree)))
+    entries = [t for i in layers for t in runner.cache.entries(i)]
+    return out, entries
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_direct_layer_equals_the_layers_own_forward(dtype, monkeypatch):
+    model = tiny_model("llama", dtype)
+    parts = selfspec.wrap(model, plan=selfspec.DraftPlan.plain()).parts
+    assert parts.layer_call is layer_call.llama_layer  # the adapter's choice
+    own = dataclasses.replace(parts, layer_call=layer_call.decoder_layer)
+    fallbacks = []
+    real = layer_call.decoder_layer
+    monkeypatch.setattr(layer_call, "decoder_layer", lambda *a, **k: fallbacks.append(1) or real(*a, **k))
+    with torch.no_grad():
+        direct_logits, direct_entries = passes(parts)
+        assert not fallbacks  # every layer took the direct path
+        own_logits, own_entries = passes(own)
+    for ours, theirs in zip(direct_logits + direct_entries, own_logits + own_entries, strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_a_batchs_rows_run_the_direct_layer_alike():
+    model = tiny_model("llama", torch.float32)
+    parts = selfspec.wrap(model).parts
+    outs = []
+    for call in (layer_call.llama_layer, layer_call.decoder_layer):
+        runner = BatchRunner(dataclasses.replace(parts, layer_call=call), capacity=32)
+        for prompt in ([5, 9, 2, 7], [3, 8]):
+            row = runner.cache.add_row()
+            runner.forward_rows(torch.tensor([prompt]), [0], slice(row, row + 1))
+        with torch.no_grad():
+            outs.append(runner.forward_rows(torch.tensor([[6, 2, 11], [7, 7, 3]]), [4, 2], slice(0, 2)))
+    assert torch.equal(*outs)
+
+
+def test_anything_but_a_plain_llama_layer_runs_its_own_forward(monkeypatch):
+    model = tiny_model("llama", torch.float32)
+    parts = selfspec.wrap(model).parts
+    seen = []
+    real = layer_call.decoder_layer
+    monkeypatch.setattr(layer_call, "decoder_layer", lambda layer, *a, **k: seen.append(layer) or real(layer, *a, **k))
+    hooked = parts.layers[1].mlp.up_proj
+    handle = hooked.register_forward_hook(lambda module, args, out: None)
+    layer_call._PLAIN.clear()
+    with torch.no_grad():
+        passes(parts)
+    assert set(map(id, seen)) == {id(parts.layers[1])}  # only the hooked layer
+    handle.remove()
+    layer_call._PLAIN.clear()
+    seen.clear()
+    parts.layers[0].train()
+    with torch.no_grad():
+        passes(parts)
+    assert set(map(id, seen)) == {id(parts.layers[0])}  # training mode: the layer's own forward
+    parts.layers[0].eval()
+    qwen = tiny_model("qwen3", torch.float32)
+    assert not layer_call._plain_llama(qwen.model.layers[0])  # another architecture (its own call, in any case)
+
+
+def test_greedy_generation_with_the_direct_layer_equals_generate():
+    model = tiny_model("llama", torch.float64)
+    prompt = random_prompt(20, seed=2)
+    ref = model.generate(prompt, do_sample=False, max_new_tokens=40)
+    for plan in (selfspec.DraftPlan.plain(), selfspec.DraftPlan(layers=[0, 2], draft_length=4),
+                 selfspec.DraftPlan(recycle=True, ngram=2, tree=10, layers=[1, 3], draft_length=4)):
+        out = selfspec.wrap(model, plan=plan, costs="flat").generate(prompt, max_new_tokens=40)
+        assert torch.equal(out, ref), plan
