@@ -541,10 +541,10 @@ def test_sampling_matches_exact_target_law(model, artifacts, case, monkeypatch):
     # the drafted/verified machinery was really exercised, on every path
     assert totals["drafted"] > 0 and totals["accepted"] > 0, totals
     assert totals["accepted"] < totals["drafted"], totals
-    if case in PROMPTS:  # trees were verified, not just chains (a tree's round has no bonus: not all nodes are kept)
+    if case == RECYCLED_CASE:  # a sampled generation starts from an empty table: trees from the second round on
+        assert totals["tree_rounds"] > N_E2E / 4 and totals["recycled_accepted"] > N_E2E / 10, totals
+    elif case in PROMPTS:  # trees were verified, not just chains (a tree's round has no bonus: not all nodes are kept)
         assert totals["tree_rounds"] > N_E2E / 2 and totals["recovered"] > 0, totals
-    if case == RECYCLED_CASE:
-        assert totals["recycled_accepted"] > N_E2E / 4 and totals["recycled_drafted"] > 2 * N_E2E, totals
     elif case == HEAD_TREE_CASE:
         assert totals["layer_tree_rounds"] > N_E2E / 2 and totals["recovered"] > 0, totals
     else:
