@@ -90,27 +90,35 @@ def _rms_norm(norm, hidden: torch.Tensor) -> torch.Tensor:
     return norm.weight * hidden.to(dtype)
 
 
-_PLAIN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> whether `llama_layer` may compute it
+_PLAIN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> its modules, or () when not plain
 
 
 def _plain_llama(layer) -> bool:
-    """Whether `layer` is transformers' Llama layer as it comes: its classes, plain linears, no hooks."""
-    plain = _PLAIN.get(layer)
-    if plain is None:
+    """Whether `layer` is transformers' Llama layer as it comes: its classes, plain linears, and no hooks now.
+
+    The classes are checked once per layer; hooks at every call (one may be registered at any time).
+    """
+    modules = _PLAIN.get(layer)
+    if modules is None:
         from transformers.models.llama import modeling_llama as llama  # here: importing it loads much of transformers
 
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         linears = [getattr(m, name, None) for m, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
                                                           (mlp, ("gate_proj", "up_proj", "down_proj")))
                    for name in names]
-        plain = _PLAIN[layer] = (
-            type(layer) is llama.LlamaDecoderLayer and type(attn) is llama.LlamaAttention
-            and type(mlp) is llama.LlamaMLP
-            and all(type(n) is llama.LlamaRMSNorm for n in (layer.input_layernorm, layer.post_attention_layernorm))
-            and all(type(m) is nn.Linear for m in linears)
-            and not any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules())
-        )
-    return plain
+        plain = (type(layer) is llama.LlamaDecoderLayer and type(attn) is llama.LlamaAttention
+                 and type(mlp) is llama.LlamaMLP
+                 and all(type(n) is llama.LlamaRMSNorm for n in (layer.input_layernorm, layer.post_attention_layernorm))
+                 and all(type(m) is nn.Linear for m in linears))
+        modules = _PLAIN[layer] = tuple(layer.modules()) if plain else ()
+    return bool(modules) and not (_global_hooks() or any(m._forward_hooks or m._forward_pre_hooks for m in modules))
+
+
+def _global_hooks() -> bool:
+    """Whether forward hooks are registered for every module (`nn.modules.module.register_module_forward_hook`)."""
+    from torch.nn.modules import module
+
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
 
 
 LAYER_CALLS: dict[str, Callable[..., torch.Tensor]] = {

@@ -74,14 +74,21 @@ def test_anything_but_a_plain_llama_layer_runs_its_own_forward(monkeypatch):
     seen = []
     real = layer_call.decoder_layer
     monkeypatch.setattr(layer_call, "decoder_layer", lambda layer, *a, **k: seen.append(layer) or real(layer, *a, **k))
+    with torch.no_grad():
+        passes(parts)  # the layers' classes are checked once, here
+    assert not seen
     hooked = parts.layers[1].mlp.up_proj
-    handle = hooked.register_forward_hook(lambda module, args, out: None)
-    layer_call._PLAIN.clear()
+    handle = hooked.register_forward_hook(lambda module, args, out: None)  # a hook registered later still counts
     with torch.no_grad():
         passes(parts)
     assert set(map(id, seen)) == {id(parts.layers[1])}  # only the hooked layer
     handle.remove()
-    layer_call._PLAIN.clear()
+    seen.clear()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+    with torch.no_grad():
+        passes(parts)
+    handle.remove()
+    assert len(seen) == 4 * parts.num_layers  # a global hook: every layer of the 4 passes runs its own forward
     seen.clear()
     parts.layers[0].train()
     with torch.no_grad():
