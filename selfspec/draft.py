@@ -212,7 +212,7 @@ class Drafter:
             return None
         tree = TokenTree(tree.tokens[: base_nodes + added], tree.parents[: base_nodes + added])
         if base is None:
-            return Draft(list(tree.path_tokens(tree.path_to(0))), None, [], source="recycled", tree=tree,
+            return Draft([tree.tokens[0]], None, [], source="recycled", tree=tree,
                          recycled=tuple(values[:added]))
         return dataclasses.replace(base, probs=None, tree=tree, recycled=tuple(values[:added]))
 

@@ -8,12 +8,14 @@ output hidden states `[1, q, hidden]`. Nothing here keeps state.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F  # `F.linear` is looked up at each call: `cpu_kernels` swaps it while a pass runs
 from torch import nn
+from torch.nn.modules import module as _module
 
 
 def decoder_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, position_ids, cache) -> torch.Tensor:
@@ -55,9 +57,7 @@ def llama_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, posit
     if layer.training or not _plain_llama(layer):
         return decoder_layer(layer, hidden, mask=mask, position_embeddings=position_embeddings,
                              position_ids=position_ids, cache=cache)
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # loaded by then: the layer is transformers'
-    from transformers.models.llama import modeling_llama as llama
-
+    llama, attention_functions = _transformers()
     attn, mlp = layer.self_attn, layer.mlp
     residual = hidden
     hidden = _rms_norm(layer.input_layernorm, hidden)
@@ -68,7 +68,7 @@ def llama_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, posit
     cos, sin = position_embeddings
     query, key = llama.apply_rotary_pos_emb(query, key, cos, sin)
     key, value = cache.update(key, value, attn.layer_idx)
-    attention = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, llama.eager_attention_forward)
+    attention = attention_functions.get_interface(attn.config._attn_implementation, llama.eager_attention_forward)
     out, _ = attention(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling, position_ids=position_ids,
                        use_cache=True)
     out = out.reshape(*hidden.shape[:-1], -1).contiguous()
@@ -90,6 +90,16 @@ def _rms_norm(norm, hidden: torch.Tensor) -> torch.Tensor:
     return norm.weight * hidden.to(dtype)
 
 
+@functools.cache
+def _transformers():
+    """transformers' Llama module and attention registry, imported on first use (importing them loads much of
+    transformers; by the first Llama layer they are loaded)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama import modeling_llama
+
+    return modeling_llama, ALL_ATTENTION_FUNCTIONS
+
+
 _PLAIN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> its modules, or () when not plain
 
 
@@ -100,8 +110,7 @@ def _plain_llama(layer) -> bool:
     """
     modules = _PLAIN.get(layer)
     if modules is None:
-        from transformers.models.llama import modeling_llama as llama  # here: importing it loads much of transformers
-
+        llama, _ = _transformers()
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         linears = [getattr(m, name, None) for m, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
                                                           (mlp, ("gate_proj", "up_proj", "down_proj")))
@@ -116,9 +125,7 @@ def _plain_llama(layer) -> bool:
 
 def _global_hooks() -> bool:
     """Whether forward hooks are registered for every module (`nn.modules.module.register_module_forward_hook`)."""
-    from torch.nn.modules import module
-
-    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
 
 
 LAYER_CALLS: dict[str, Callable[..., torch.Tensor]] = {

@@ -177,7 +177,12 @@ class AcceptanceEstimates:
         return cell.estimate(marginal, SHRINK)
 
     def observe(self, draft: Draft, accepted: int) -> None:
-        """Tokens 1..accepted were accepted, token accepted+1 (if drafted) rejected; later ones unseen."""
+        """Tokens 1..accepted were accepted, token accepted+1 (if drafted) rejected; later ones unseen.
+
+        A recycled tree teaches nothing here: its nodes' recorded probabilities are calibrated apart
+        (`CostPolicy.recycled`)."""
+        if draft.source == "recycled":
+            return
         seen = min(len(draft.tokens), accepted + 1)
         for i in range(seen):
             ok = i < accepted
@@ -346,8 +351,7 @@ class CostPolicy:
     def observe(self, draft: Draft, accepted: int, *, draft_seconds: float, verify_seconds: float, width: int) -> None:
         self.acceptance.decay()
         self.recycled.decay()
-        if draft.source != "recycled":  # a recycled tree teaches `recycled` (`observe_recycled`), not the sources
-            self.acceptance.observe(draft, accepted)
+        self.acceptance.observe(draft, accepted)
         layered = draft.source == "layers" and draft.tokens
         resumed = layered and draft.tree is None  # a tree's verify pass runs every layer
         self.costs.observe_verify(width, self.exact_prefix if resumed else 0, verify_seconds)
