@@ -14,9 +14,13 @@ Two signals, both already at hand:
   estimates per budget and predicts each budget's tokens per second from
   them and from its cost (a drafted token costs the table's draft step
   scaled by the weights the set reads: its layers plus the LM head). Every
-  `CHOOSE_EVERY` rounds the budget with the best prediction drafts; an
-  untried budget is predicted at the prior, so each gets tried, and
-  estimates fade, so a budget written off is tried again later. Estimates
+  `CHOOSE_EVERY` rounds the budget with the best prediction drafts, except
+  that an untried budget that would pay at its prior goes first, the
+  largest such first. An untried budget's prior is the plan's capped by what
+  the larger budgets showed (fewer layers are accepted no more often), so
+  where the near-full draft is rejected the cheap ones are not tried at an
+  optimistic guess. Estimates fade, so a budget written off is tried again
+  later. Estimates
   follow the budget, not the exact set: as the ranking moves, a budget's set
   may trade a layer, and it keeps what the budget learned instead of being
   tried afresh at the optimistic prior. When no set beats plain steps the
@@ -128,12 +132,15 @@ class AutoLayers:
 
     def choose(self, policy) -> None:
         ranking = self.influence.ranking()
-        best, best_rate = None, -1.0
-        for budget in self.budgets:
+        best, best_rate, explore = None, -1.0, None
+        for budget in self.budgets:  # smallest first
             layers = layers_for(budget, ranking, self.num_layers)
             rate = policy.layer_rate(budget, exact_prefix=exact_prefix(layers), draft_scale=self.scale(layers))
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = layers, rate
+            if not policy.layer_set_tried(budget) and rate > policy.plain_rate() * (1 + 1e-9):
+                explore = layers  # the largest untried budget that would pay at its prior: what it shows caps the rest
+        best = explore or best
         if best != self.drafter.draft_layers or not self.history:
             self.use(best, policy)
 

@@ -47,7 +47,7 @@ import torch
 
 from .loading import default_cache_dir
 
-COSTS_FORMAT = "selfspec.costs/2"
+COSTS_FORMAT = "selfspec.costs/3"
 MEASURE_CONTEXT = 48  # tokens already in the cache while timing
 LONG_CONTEXT = 1024  # ... and a second time: how a pass's cost grows with the context
 # Raised when the way selfspec runs a pass changes what it costs (2: batched caches written by indexed assignment;
@@ -55,7 +55,7 @@ LONG_CONTEXT = 1024  # ... and a second time: how a pass's cost grows with the c
 # so tables timed before are measured anew.
 PASS_KERNELS = 4
 FLAT_UP_TO = 16  # the "flat" profile: a pass over up to this many tokens costs one step
-SHAPE_SLACK = 1.5  # how far one width's runtime correction may stray from its context band's (`RuntimeCosts.ratio`)
+SHAPE_SLACK = 1.2  # how far one width's runtime correction may stray from its context band's (`RuntimeCosts.ratio`)
 
 
 def long_context(max_positions: int | None, max_width: int) -> int:
@@ -358,7 +358,10 @@ class RuntimeCosts:
     layer draft one for the draft step. The ratio used is the median of the
     last `WINDOW` observations of that width in that band; one seen fewer than
     `MIN_SEEN` times there uses the band's median over all widths, and a band
-    seen too little the median over everything. Bands keep what was learned
+    seen too little the median over everything. The corrected table stays a
+    cost curve: a wider pass never costs less than a narrower one plus the
+    measured table's extra for the extra tokens (at the band's ratio), so
+    noise in one width's rounds cannot make widening look free. Bands keep what was learned
     local: how a wide pass grows with the context is not quite linear, and a
     correction learned on short contexts must not price long ones. A median
     follows a machine that became slower or faster, and ignores a burst of
@@ -382,20 +385,40 @@ class RuntimeCosts:
         self.overall = 1.0  # the median over everything seen (1.0 until something is)
         self.seen_draft: deque[float] = deque(maxlen=self.WINDOW)
         self.draft_ratio = 1.0
+        self.ratios: dict[int, tuple[float, ...]] = {}  # per band, every width's correction (until an observation)
 
     def ratio(self, width: int, context: int | None) -> float:
-        """observed / table for a pass over `width` tokens at `context` entries (1.0 until something is seen).
+        """observed / table for a pass over `width` tokens at `context` entries (1.0 until something is seen)."""
+        band = self._band(context)
+        ratios = self.ratios.get(band)
+        if ratios is None:
+            ratios = self.ratios[band] = self._band_ratios(band)
+        return ratios[min(width, len(ratios)) - 1]
+
+    def _band_ratios(self, band: int) -> tuple[float, ...]:
+        """Each width's correction in `band`: its own median, bounded, then kept a cost curve.
 
         A width's own ratio stays within `SHAPE_SLACK` of its band's: the
         measured table's shape across widths is trusted that far. Without the
         bound, a burst of load on the few rounds of one width could price it
         out for good: a width thought too dear is never drafted, so never
         observed again, and the refined table carries it to the next process.
+        Then each width costs at least the narrower one plus what the table
+        says the extra tokens add (at the band's ratio): without that, a
+        width whose rounds happened to run fast would look as cheap as a
+        narrower one, and the policy would widen every pass to it for free.
         """
-        band = self._band(context)
         general = self.medians.get(band, self.overall)
-        own = self.medians.get((width, band))
-        return general if own is None else min(max(own, general / SHAPE_SLACK), general * SHAPE_SLACK)
+        shape = self.table.verify  # seconds per width at the table's context: the measured shape
+        ratios: list[float] = []
+        for q, seconds in enumerate(shape, start=1):
+            own = self.medians.get((q, band))
+            ratio = general if own is None else min(max(own, general / SHAPE_SLACK), general * SHAPE_SLACK)
+            if ratios:
+                narrower = shape[q - 2] * ratios[-1]
+                ratio = max(ratio, (narrower + general * (seconds - shape[q - 2])) / seconds)
+            ratios.append(ratio)
+        return tuple(ratios)
 
     def _band(self, context: int | None) -> int:
         return context_band(self.table.context if context is None else context)
@@ -437,6 +460,7 @@ class RuntimeCosts:
                 self.medians[key] = statistics.median(seen)
         self.seen_all.append(ratio)
         self.overall = statistics.median(self.seen_all)
+        self.ratios.clear()
 
     def observe_draft(self, steps: int, seconds: float) -> None:
         if not self.learn or steps <= 0 or seconds <= 0 or not self.table.draft_step:

@@ -42,6 +42,7 @@ DECAY = 0.98  # per round: old evidence fades, so a source written off is tried 
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind the prior acceptance
 TREE_SLACK = 0.05  # a tree may widen the verify pass while it costs at most this much more than the chain's
 SHRINK = 2.0  # pseudo-observations pulling a (position, confidence) cell toward its position's rate
+MIN_EVIDENCE = 1.0  # judged tokens (decayed) before a layer set's estimate counts as tried
 
 
 def choose_length(
@@ -147,19 +148,42 @@ class AcceptanceEstimates:
     # An auto plan (`auto_layers.py`) drafts with several layer sets: each keeps its own layer estimates,
     # swapped into `positions` / `cells` by `use_layer_set`.
     layer_sets: dict[object, tuple[list[Rate], list[list[Rate]]]] = field(default_factory=dict)
+    # Per position bucket, the prior of the layer set in use (`use_layer_set`); the plan's prior otherwise.
+    layer_priors: list[float] | None = None
 
     def use_layer_set(self, key: object) -> None:
-        """Learn and predict layer drafts with the estimates of layer set `key` (fresh, at the prior, if new)."""
+        """Learn and predict layer drafts with the estimates of layer set `key` (fresh, at the prior, if new).
+
+        An auto plan's sets are keyed by their layer count, and a set of fewer
+        layers is expected to be accepted no more often than one of more: its
+        prior, per position, is at most what every larger set tried has
+        shown. So when the larger sets are rejected, the smaller ones are not
+        tried at the plan's optimistic prior.
+        """
         if not self.layer_sets:
             self.layer_sets[None] = (self.positions, self.cells)  # what was learned before any set was named
         if key not in self.layer_sets:
             self.layer_sets[key] = ([Rate() for _ in range(POSITION_BUCKETS)],
                                     [[Rate() for _ in range(CONFIDENCE_BINS)] for _ in range(POSITION_BUCKETS)])
         self.positions, self.cells = self.layer_sets[key]
+        self.layer_priors = None
+        if isinstance(key, int):
+            larger = [positions for other, (positions, _) in self.layer_sets.items()
+                      if isinstance(other, int) and other > key]
+            self.layer_priors = [min([self.prior] + [p[j].estimate(self.prior, PRIOR_WEIGHT) for p in larger
+                                                      if p[j].seen >= MIN_EVIDENCE])
+                                 for j in range(POSITION_BUCKETS)]
+
+    def layer_set_tried(self, key: object) -> bool:
+        """Whether layer set `key` has drafted a judged token (its estimates have evidence)."""
+        found = self.layer_sets.get(key)
+        return found is not None and found[0][0].seen >= MIN_EVIDENCE
 
     def layer_position(self, position: int) -> float:
         """Acceptance of the token at draft `position` (1-based), given those before were accepted."""
-        return self.positions[_bucket(position)].estimate(self.prior, PRIOR_WEIGHT)
+        bucket = _bucket(position)
+        prior = self.prior if self.layer_priors is None else self.layer_priors[bucket]
+        return self.positions[bucket].estimate(prior, PRIOR_WEIGHT)
 
     def layer_token(self, position: int, confidence: float) -> float:
         """The same, for a drafted token whose confidence is known."""
@@ -238,6 +262,13 @@ class CostPolicy:
         self.acceptance.use_layer_set(key)
         self.exact_prefix, self.draft_scale = exact_prefix, draft_scale
 
+    def layer_set_tried(self, key: object) -> bool:
+        return self.acceptance.layer_set_tried(key)
+
+    def plain_rate(self) -> float:
+        """Tokens per second of plain steps at this round's context."""
+        return 1.0 / self.costs.verify(1)
+
     def layer_rate(self, key: object, *, exact_prefix: int, draft_scale: float) -> float:
         """Expected tokens per second of a layer draft with set `key`, at its best length (auto plans' choice).
 
@@ -249,7 +280,7 @@ class CostPolicy:
         self.use_layers(key, exact_prefix=exact_prefix, draft_scale=draft_scale)
         budget = self.round_budget
         self.round_budget = self.max_length
-        rate = self.layer_draft_rate() or 1.0 / self.costs.verify(1)  # no length pays: plain steps
+        rate = self.layer_draft_rate() or self.plain_rate()  # no length pays: plain steps
         self.round_budget = budget
         self.acceptance.positions, self.acceptance.cells, self.exact_prefix, self.draft_scale = active
         return rate

@@ -113,15 +113,36 @@ def test_a_budget_keeps_what_it_learned_when_its_set_trades_a_layer():
     rank([3, 7, 5, 1, 2, 4, 6, 8, 0, 9])
     auto.choose(policy)
     first = drafter.draft_layers
-    assert len(first) == 5  # at the prior every budget is as likely accepted: the cheapest drafts
+    paying = [b for b in candidate_budgets(10)
+              if policy.layer_rate(b, exact_prefix=0, draft_scale=(b + 1) / 6) > policy.plain_rate()]
+    assert len(first) == max(paying) < 10  # untried, the largest budget that would pay at the prior goes first
     for _ in range(10):
         policy.observe(Draft([1] * 3, None, [], confidences=[0.9] * 3), 0, draft_seconds=0.0, verify_seconds=0.0,
                        width=4)
-    rank([3, 7, 1, 5, 2, 4, 6, 8, 0, 9])  # layers 5 and 1 swap places: the 5-layer set trades layer 5 for 1
-    assert layers_for(5, auto.influence.ranking(), 10) != first
+    order = [3, 7, 5, 1, 2, 4, 6, 8]  # then 0 and 9, always in a set
+    last = len(first) - 3  # the last of these in the budget's set
+    order[last], order[last + 1] = order[last + 1], order[last]  # it swaps places with the first left out
+    rank(order + [0, 9])  # so the budget's set trades a layer
+    assert layers_for(len(first), auto.influence.ranking(), 10) != first
     auto.choose(policy)
-    assert len(drafter.draft_layers) != 5  # the 5-layer budget's rejections still count
+    assert len(drafter.draft_layers) != len(first)  # that budget's rejections still count
     assert set(policy.acceptance.layer_sets) <= {None, *candidate_budgets(10)}
+
+
+def test_a_smaller_budget_is_expected_no_better_than_a_larger_one_tried():
+    """Rejections of the larger set cap the smaller sets' prior: they are not tried at the plan's optimistic guess."""
+    plan = selfspec.DraftPlan(auto=True, draft_length=6)
+    policy = policy_with(PassCosts.profile("flat", max_width=7, step=1.0, draft_fraction=0.5, num_layers=10))
+    untried = policy.layer_rate(5, exact_prefix=0, draft_scale=1.0)
+    assert untried > policy.plain_rate()  # at the plan's prior, 5 layers would pay
+    policy.use_layers(8, exact_prefix=0, draft_scale=1.0)
+    for _ in range(10):
+        policy.observe(Draft([1] * 3, None, [], confidences=[0.9] * 3), 0, draft_seconds=0.0, verify_seconds=0.0,
+                       width=4)
+    assert policy.layer_set_tried(8) and not policy.layer_set_tried(5)
+    assert policy.layer_rate(5, exact_prefix=0, draft_scale=1.0) == pytest.approx(policy.plain_rate())  # capped
+    assert policy.layer_rate(9, exact_prefix=0, draft_scale=1.0) == pytest.approx(untried)  # a larger one is not
+    assert plan.auto
 
 
 @pytest.mark.parametrize("step", ["eager", "static"])

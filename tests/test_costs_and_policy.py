@@ -152,11 +152,32 @@ def test_one_widths_correction_stays_near_its_bands():
         costs.observe_verify(2, 0, 1.1)
     for _ in range(5):
         costs.observe_verify(3, 0, 4.0)  # width 3's rounds all ran under other load
-    general = costs.ratio(4, None)  # an unseen width: the band's median
+    general = 1.1  # the band's median over every width's rounds
     assert costs.verify(3) == pytest.approx(general * selfspec.costs.SHAPE_SLACK)
+    assert costs.verify(4) == pytest.approx(costs.verify(3))  # unseen, and no dearer in the table: width 3's cost
     assert costs.verify(2) == pytest.approx(1.1)  # a correction within the slack is kept as measured
     refined = costs.refined()
     assert refined.verify[2] == pytest.approx(general * selfspec.costs.SHAPE_SLACK) and refined.verify[2] < 2.0
+
+
+def test_corrected_costs_stay_a_cost_curve():
+    """Rounds of one width that ran fast cannot make it as cheap as a narrower width: widening keeps its price."""
+    table = PassCosts((1.0, 1.1, 1.2, 1.3), 0.2, 6)
+    costs = RuntimeCosts(table)
+    for _ in range(9):
+        costs.observe_verify(1, 0, 1.0)
+        costs.observe_verify(2, 0, 1.1 * 1.3)  # width 2's rounds ran slow
+        costs.observe_verify(3, 0, 1.2 * 0.9)  # width 3's ran fast
+        costs.observe_verify(4, 0, 1.3)
+    general = costs.ratio(1, None)
+    assert general == pytest.approx(1.0)
+    assert costs.verify(2) == pytest.approx(1.1 * selfspec.costs.SHAPE_SLACK)  # dearer, within the slack
+    assert costs.verify(3) == pytest.approx(costs.verify(2) + 0.1)  # not cheaper: width 2's cost + the table's step
+    assert costs.verify(4) == pytest.approx(costs.verify(3) + 0.1)
+    widths = [costs.verify(q) for q in range(1, 5)]
+    assert widths == sorted(widths)
+    refined = costs.refined()
+    assert list(refined.verify) == pytest.approx(widths)
 
 
 def test_cost_table_rejects_nonsense_and_round_trips():

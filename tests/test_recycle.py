@@ -56,6 +56,20 @@ def test_a_row_records_its_top_tokens_under_its_pair_and_its_token():
     assert table.successors(11, 12) is None
 
 
+@pytest.mark.parametrize("n", [7, 300, 49_152, 262_144 + 5])
+def test_block_top_k_finds_what_topk_finds(n):
+    generator = torch.Generator().manual_seed(n)
+    values = torch.randn(5, n, generator=generator)
+    values[1, -3:] = torch.tensor([50.0, 52.0, 51.0])  # the best in the last, padded block
+    values[2] = 0.0
+    values[2, :: max(1, n // 11)] = torch.arange(len(values[2, :: max(1, n // 11)])).float()  # spread out
+    top, where = selfspec.recycle.top_k(values, 8)
+    expected = values.topk(min(8, n))
+    assert torch.equal(top, expected.values)
+    assert torch.equal(values.gather(1, where), top)  # the indices hold those values
+    assert torch.equal(where[[0, 1, 3, 4]], expected.indices[[0, 1, 3, 4]])  # no ties in these rows: the same ids
+
+
 def test_the_pair_table_drops_its_oldest_key_at_capacity(monkeypatch):
     monkeypatch.setattr(selfspec.recycle, "PAIR_CAPACITY", 2)
     table = SuccessorTable()
