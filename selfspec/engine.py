@@ -48,7 +48,7 @@ from .output import Clock, Output
 from .parts import ModelParts, text_config
 from .passes import TargetPasses
 from .plan import DraftPlan
-from .policy import AdaptivePolicy, CostPolicy
+from .policy import AcceptanceEstimates, AdaptivePolicy, Calibration, CostPolicy
 from .quant import describe_quantization
 from .recycle import SuccessorTable, chain_contexts, tree_contexts
 from .registry import adapter_for
@@ -137,6 +137,9 @@ class SelfSpecModel:
         # A recycled-draft plan's successor table (`recycle.py`) lives across greedy generations: it only ever
         # changes what is drafted. Sampling starts each call afresh, so a seed reproduces its sample.
         self.successors = SuccessorTable()
+        # So do the cost policy's acceptance estimates (`policy.py`): each greedy call goes on from what the
+        # earlier ones learned instead of trying every draft source afresh at the plan's prior.
+        self.learned: tuple[AcceptanceEstimates, Calibration] | None = None
 
     def _resolve_step(self, step: str) -> str:
         if step not in STEPS:
@@ -282,7 +285,12 @@ class SelfSpecModel:
             runtime = self._runtime_costs()
         else:
             runtime = RuntimeCosts(self.costs, learn=False)
-        return CostPolicy(self.plan, runtime, exact_prefix=self.drafter.exact_prefix)
+        policy = CostPolicy(self.plan, runtime, exact_prefix=self.drafter.exact_prefix)
+        if not settings.do_sample:  # a sample's drafts depend on its seed and the prompt alone
+            if self.learned is None:
+                self.learned = (policy.acceptance, policy.recycled)
+            policy.acceptance, policy.recycled = self.learned
+        return policy
 
     @torch.no_grad()
     def generate(

@@ -157,15 +157,20 @@ def test_auto_plan_equals_generate_in_float64(arch, step):
         assert_same(spec.generate(prompt, max_new_tokens=40), ref, f"{arch} {step} auto, costs={costs}")
 
 
-def test_choice_is_made_afresh_per_generation_and_the_cache_stays_in_step():
+def test_choice_is_made_per_generation_and_the_cache_stays_in_step():
     model = tiny_model("llama")
     spec = selfspec.wrap(model, plan=AUTO, costs="flat")
     prompt = repetitive_prompt(4)
     first = spec.generate(prompt, max_new_tokens=40)
     sets = spec.last_stats.layer_sets
     assert sets.count("round ") > 1  # the set changed during the generation
+    fresh = selfspec.wrap(model, plan=AUTO, costs="flat")
+    assert torch.equal(fresh.generate(prompt, max_new_tokens=40), first)
+    assert fresh.last_stats.layer_sets == sets  # the same start, the same choices
+    learned = {key for key in spec.learned[0].layer_sets if spec.learned[0].layer_set_tried(key)}
+    assert learned  # what the budgets earned is kept for the next greedy call ...
     again = spec.generate(prompt, max_new_tokens=40)
-    assert torch.equal(first, again) and spec.last_stats.layer_sets == sets  # same start, same choices
+    assert torch.equal(again, first)  # ... which starts from it, and keeps the target's tokens
 
 
 def test_sampling_with_an_auto_plan_reproduces_with_a_seed():
