@@ -200,7 +200,7 @@ def measure_pass_costs(
     num_layers: int,
     vocab_size: int,
     max_width: int,
-    repeats: int = 2,
+    repeats: int = 3,
     bucketed: bool = False,
     max_positions: int | None = None,
 ) -> PassCosts:

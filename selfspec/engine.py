@@ -199,7 +199,7 @@ class SelfSpecModel:
                                      draft_fraction=len(self.drafter.draft_layers) / self.parts.num_layers)
         raise ValueError(f"costs must be None, a PassCosts table or a profile name ('linear', 'flat'), got {costs!r}")
 
-    def measure_costs(self, *, cached: bool = True, repeats: int = 2) -> PassCosts:
+    def measure_costs(self, *, cached: bool = True, repeats: int = 3) -> PassCosts:
         """Time the passes this plan uses here (see `costs.py`); `cached=False` measures afresh."""
 
         def draft_step(runner: LayerRunner, position: int) -> None:
