@@ -39,6 +39,7 @@ from .plan import DraftPlan
 CONFIDENCE_BINS = 10
 POSITION_BUCKETS = 4  # draft positions 1, 2, 3, 4+
 DECAY = 0.98  # per round: old evidence fades, so a source written off is tried again later
+IDLE_DECAY = 0.99  # ... the layer estimates, in a round without a layer draft (what they cost to try again)
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind the prior acceptance
 TREE_SLACK = 0.05  # a tree may widen the verify pass while it costs at most this much more than the chain's
 SHRINK = 2.0  # pseudo-observations pulling a (position, confidence) cell toward its position's rate
@@ -217,10 +218,14 @@ class AcceptanceEstimates:
                 self.positions[_bucket(i + 1)].add(ok)
                 self.cells[_bucket(i + 1)][_bin(draft.confidences[i])].add(ok)
 
-    def decay(self, factor: float = DECAY) -> None:
+    def decay(self, factor: float = DECAY, *, layers_drafted: bool = True) -> None:
+        """Old evidence fades by `factor` a round; the layer estimates by `IDLE_DECAY` in a round that drafted
+        no layer token (a layer draft written off is tried again, but not every few dozen rounds)."""
         sets = self.layer_sets.values() or [(self.positions, self.cells)]
         layer_rates = [r for positions, cells in sets for r in [*positions, *(c for row in cells for c in row)]]
-        for rate in [*layer_rates, *self.ngram.values(), *self.ngram_cells.values()]:
+        for rate in layer_rates:
+            rate.decay(factor if layers_drafted else IDLE_DECAY)
+        for rate in [*self.ngram.values(), *self.ngram_cells.values()]:
             rate.decay(factor)
 
     def summary(self) -> str:
@@ -380,10 +385,10 @@ class CostPolicy:
         )
 
     def observe(self, draft: Draft, accepted: int, *, draft_seconds: float, verify_seconds: float, width: int) -> None:
-        self.acceptance.decay()
+        layered = draft.source == "layers" and bool(draft.tokens)
+        self.acceptance.decay(layers_drafted=layered)
         self.recycled.decay()
         self.acceptance.observe(draft, accepted)
-        layered = draft.source == "layers" and draft.tokens
         resumed = layered and draft.tree is None  # a tree's verify pass runs every layer
         self.costs.observe_verify(width, self.exact_prefix if resumed else 0, verify_seconds)
         if layered:

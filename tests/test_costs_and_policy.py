@@ -124,6 +124,10 @@ def test_acceptance_counts_only_what_the_target_saw():
     assert est.positions[2].seen == 0 and est.positions[3].seen == 0  # tokens 3, 4 were never judged
     est.decay(0.5)
     assert est.positions[0].accepted == 0.5
+    est.observe(Draft([5, 6], None, [], source="ngram", match_length=2), accepted=2)
+    est.decay(0.5, layers_drafted=False)  # a round that drafted no layer token: layer evidence fades slower
+    assert est.positions[0].accepted == pytest.approx(0.5 * selfspec.policy.IDLE_DECAY)
+    assert est.ngram[2].accepted == pytest.approx(1.0)
 
 
 def test_runtime_costs_follow_what_rounds_measure():
