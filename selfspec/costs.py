@@ -12,7 +12,7 @@ CPU in bfloat16 it costs almost 4. So nothing here is assumed:
   attention reads every entry, and how much a wider pass costs depends on
   how many there are (on one CPU, 8 rows at 1,334 entries: a pass over 2
   tokens cost 1.9 plain steps where the short context said 1.2).
-  `measure_pass_costs` times them in a second or two; `load_or_measure`
+  `measure_pass_costs` times them in two or three seconds; `load_or_measure`
   keeps the result on disk, keyed by the model, the plan's draft, dtype,
   device, thread count and the processor.
 - `PassCosts.profile("linear" | "flat", ...)` builds a table by rule, for
