@@ -19,7 +19,7 @@ import selfspec
 from selfspec import DraftPlan
 from selfspec.registry import adapter_for
 from selfspec.cli.tune import add_arguments as add_tune_arguments
-from selfspec.cli.tune import format_command
+from selfspec.cli.tune import format_command, tune_config
 from selfspec.tuning import CostModel, adapter_entry, tune
 from selfspec.tuning.calibration import make_calibration
 from selfspec.tuning.candidate import Candidate
@@ -214,14 +214,16 @@ def test_tune_end_to_end(model, prompts, tmp_path):
         cost_repeats=2,
         max_draft_length=4,
         trees=(0, 6),
+        recycle=True,
         progress=False,
     )
     assert result.best_plan.drafts and result.best is not None
     labels = [c.label for c in result.confirmations]
     assert labels[0] == "plain" and "#1" in labels and "default" in labels
     variants = {c.label: c for c in result.confirmations if c.label.startswith("#1+")}
-    assert set(variants) == {"#1+ngram", "#1+ngram+tree6"}  # the tuner times tree budgets too
+    assert set(variants) == {"#1+ngram", "#1+ngram+tree6", "#1+ngram+tree6+recycle"}  # tree budgets, recycling
     assert variants["#1+ngram+tree6"].plan.tree == 6 and variants["#1+ngram"].plan.ngram == 3
+    assert variants["#1+ngram+tree6+recycle"].plan.recycle and not variants["#1+ngram+tree6"].plan.recycle
     assert all(v.candidate is result.confirmations[labels.index("#1")].candidate for v in variants.values())
     assert all(c.lossless for c in result.confirmations)  # float64: token-identical to the plain path
     assert result.confirmations[0].speedup == pytest.approx(1.0)
@@ -258,3 +260,7 @@ def test_cli_arguments_and_command():
     for bad in ("x", "8,99", ""):
         with pytest.raises(SystemExit):
             parser.parse_args(["m", "--trees", bad])
+    recycled = parser.parse_args(["m", "--trees", "0,16", "--recycle"])
+    assert tune_config(recycled).recycle and format_command(recycled) == "selfspec tune m --trees 0,16 --recycle"
+    with pytest.raises(ValueError, match="needs a tree budget"):
+        tune_config(parser.parse_args(["m", "--recycle"]))

@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--trees", type=tree_budgets, default=(),
                         help="comma list of node budgets: also time the best plan with n-gram lookup first, as "
                              "chains (0) or token trees of that many nodes (e.g. 0,8,16; default: none)")
+    parser.add_argument("--recycle", action="store_true",
+                        help="with --trees: also time each tree budget with recycled trees (the target's own past "
+                             "predictions, recycle=True)")
     parser.add_argument("--out", type=common.text, help="plan JSON path (default: <model>-<dtype>-plan.json)")
     parser.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
     parser.add_argument("--seed", type=integer(0), default=0)
@@ -82,6 +85,7 @@ def tune_config(args: argparse.Namespace) -> TuneConfig:
         proxy_check_prompts=args.proxy_check_prompts, max_draft_length=args.max_draft_length,
         keep_ends=not args.skip_ends, seed=args.seed, include_default=not args.no_default,
         name=f"{Path(str(args.model)).name}-{args.dtype}-tuned", trees=args.trees,
+        recycle=args.recycle,
     )
 
 

@@ -82,6 +82,7 @@ class TuneConfig:
     include_default: bool = True
     cost_repeats: int = 15
     trees: tuple[int, ...] = ()  # node budgets: the best plan is also timed with n-gram lookup as trees of this size
+    recycle: bool = False  # ... and each tree budget also with recycled trees (`recycle=True`)
 
     TREE_NGRAM = 3  # the n-gram lookup a tree variant adds
 
@@ -98,6 +99,10 @@ class TuneConfig:
                                                              or not 0 <= t <= MAX_DRAFT_LENGTH for t in self.trees):
             raise ValueError(f"trees must be node budgets 0..{MAX_DRAFT_LENGTH} (0: n-gram chains), got {self.trees!r}")
         object.__setattr__(self, "trees", tuple(self.trees))
+        if not isinstance(self.recycle, bool):
+            raise ValueError(f"recycle must be True or False, got {self.recycle!r}")
+        if self.recycle and not any(self.trees):
+            raise ValueError(f"recycle=True times recycled trees: it needs a tree budget > 0 in trees, got {self.trees!r}")
         for key, valid in (("optimizer", OPTIMIZERS), ("optuna_sampler", OPTUNA_SAMPLERS),
                            ("search_proxy", SEARCH_PROXIES)):
             if getattr(self, key) not in valid:
@@ -215,10 +220,11 @@ def confirm_ranked(model, exact: ProxyEvaluator, ranked: list[Candidate], prompt
     if ranked and config.trees:  # the best plan with n-gram lookup first, as chains (0) or trees of each budget
         best = entries[0][1] if entries else ranked[0].plan(name=f"{config.name}-1")
         for nodes in config.trees:
-            label = "#1+ngram" + (f"+tree{nodes}" if nodes else "")
-            entries.append((label, dataclasses.replace(best, ngram=config.TREE_NGRAM, tree=nodes,
-                                                       name=f"{best.name}-{label[3:]}")))
-            tuned[label] = ranked[0]
+            for recycle in (False, True) if nodes and config.recycle else (False,):
+                label = "#1+ngram" + (f"+tree{nodes}" if nodes else "") + ("+recycle" if recycle else "")
+                entries.append((label, dataclasses.replace(best, ngram=config.TREE_NGRAM, tree=nodes, recycle=recycle,
+                                                           name=f"{best.name}-{label[3:]}")))
+                tuned[label] = ranked[0]
     if config.include_default:
         entries.append(("default", adapter_for(model).plan_for(model.config)))
     confirmations = confirm_plans(model, entries, prompts, max_new_tokens=config.max_new_tokens,
