@@ -277,17 +277,18 @@ class CostPolicy:
     def layer_rate(self, key: object, *, exact_prefix: int, draft_scale: float) -> float:
         """Expected tokens per second of a layer draft with set `key`, at its best length (auto plans' choice).
 
-        An untried set is predicted at the prior acceptance, so it gets tried;
-        the estimates of every set fade each round, so a set written off is
-        tried again later.
+        An untried set is predicted at its prior (`AcceptanceEstimates.use_layer_set`),
+        so it gets tried; the estimates of every set fade, so a set written
+        off is tried again later. The set in use stays in use, its prior with it.
         """
-        active = (self.acceptance.positions, self.acceptance.cells, self.exact_prefix, self.draft_scale)
+        estimates = self.acceptance
+        active = (estimates.positions, estimates.cells, estimates.layer_priors, self.exact_prefix, self.draft_scale)
         self.use_layers(key, exact_prefix=exact_prefix, draft_scale=draft_scale)
         budget = self.round_budget
         self.round_budget = self.max_length
         rate = self.layer_draft_rate() or self.plain_rate()  # no length pays: plain steps
         self.round_budget = budget
-        self.acceptance.positions, self.acceptance.cells, self.exact_prefix, self.draft_scale = active
+        estimates.positions, estimates.cells, estimates.layer_priors, self.exact_prefix, self.draft_scale = active
         return rate
 
     def layer_draft_rate(self) -> float:

@@ -142,6 +142,11 @@ def test_a_smaller_budget_is_expected_no_better_than_a_larger_one_tried():
     assert policy.layer_set_tried(8) and not policy.layer_set_tried(5)
     assert policy.layer_rate(5, exact_prefix=0, draft_scale=1.0) == pytest.approx(policy.plain_rate())  # capped
     assert policy.layer_rate(9, exact_prefix=0, draft_scale=1.0) == pytest.approx(untried)  # a larger one is not
+    policy.use_layers(5, exact_prefix=0, draft_scale=1.0)
+    capped = policy.acceptance.layer_position(1)
+    assert capped < plan.target_acceptance
+    policy.layer_rate(9, exact_prefix=0, draft_scale=1.0)  # pricing another set leaves the one in use as it was
+    assert policy.acceptance.layer_position(1) == capped
     assert plan.auto
 
 
