@@ -133,12 +133,13 @@ class AutoLayers:
     def choose(self, policy) -> None:
         ranking = self.influence.ranking()
         best, best_rate, explore = None, -1.0, None
+        plain = policy.plain_rate()
         for budget in self.budgets:  # smallest first
             layers = layers_for(budget, ranking, self.num_layers)
             rate = policy.layer_rate(budget, exact_prefix=exact_prefix(layers), draft_scale=self.scale(layers))
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = layers, rate
-            if not policy.layer_set_tried(budget) and rate > policy.plain_rate() * (1 + 1e-9):
+            if not policy.layer_set_tried(budget) and rate > plain * (1 + 1e-9):
                 explore = layers  # the largest untried budget that would pay at its prior: what it shows caps the rest
         best = explore or best
         if best != self.drafter.draft_layers or not self.history:
