@@ -9,10 +9,10 @@ batch's verify pass runs; r = 1 is one sequence's verify pass), timed three
 ways, interleaved, the median of `--repeats`:
 
 - `transformers`: transformers' attention and `F.linear` as they are;
-- `+attention`: grouped query heads folded into one sdpa call (`packed_gqa_sdpa`);
+- `+attention`: the attention kernels measured for this machine (`measure_attention_kernels`);
 - `+linear`: and the linear layers' kernels measured for this machine (`measure_linear_kernels`).
 
-Prints the machine, the CPU capability, the thread count, the linear kernels
+Prints the machine, the CPU capability, the thread count, the kernels
 chosen, and the milliseconds and ratios per (r, q). Nothing is written.
 """
 
@@ -33,7 +33,7 @@ import selfspec
 from benchmarks.run import print_header
 from selfspec.batch import BatchRunner
 from selfspec.costs import cpu_model
-from selfspec.cpu_kernels import NO_CHANGE, cpu_kernels
+from selfspec.cpu_kernels import NO_ATTENTION_CHANGE, NO_CHANGE, cpu_kernels
 
 WAYS = ("transformers", "+attention", "+linear")
 
@@ -59,19 +59,18 @@ def time_passes(spec, rows: int, widths: list[int], context: int, repeats: int) 
     runner = BatchRunner(spec.parts, capacity=context + max(widths))
     for _ in range(rows):
         runner.cache.add_row()
-    kernels_here = spec.linear_kernels()
+    linear_here, attention_here = spec.linear_kernels(), spec.attention_kernels()
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, spec.parts.vocab_size, (rows, max(widths)), generator=generator)
-    wide_kernel = runner.wide_pass_kernel
     times: dict[tuple[int, str], list[float]] = {}
     with torch.no_grad():
         for i in range(repeats + 1):  # round 0 warms up
             for q in widths:
                 for way in WAYS:
-                    runner.wide_pass_kernel = wide_kernel if way != "transformers" else (lambda _: False)
-                    linear = kernels_here if way == "+linear" else NO_CHANGE
+                    attention = attention_here if way != "transformers" else NO_ATTENTION_CHANGE
+                    linear = linear_here if way == "+linear" else NO_CHANGE
                     start = time.perf_counter()
-                    with cpu_kernels(linear=linear):
+                    with cpu_kernels(linear=linear, attention=attention):
                         runner.forward_rows(ids[:, :q], [context] * rows, slice(0, rows))
                     if i:
                         times.setdefault((q, way), []).append(time.perf_counter() - start)
@@ -98,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         model, _ = selfspec.load(args.model, dtype=dtype)
         spec = selfspec.wrap(model)
         print(f"{dtype}: linear layers {spec.linear_kernels().describe()}")
+        print(f"{dtype}: attention {spec.attention_kernels().describe()}")
         print("| rows | q | transformers ms | +attention ms | +linear ms | transformers / +linear |")
         print("|---:|---:|---:|---:|---:|---:|")
         for rows in args.row_counts:

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptance import accept_greedy, accept_sampling
-from .cpu_kernels import NO_CHANGE, LinearKernels, cpu_kernels
+from .cpu_kernels import NO_ATTENTION_CHANGE, NO_CHANGE, AttentionKernels, LinearKernels, cpu_kernels
 from .costs import MEASURE_CONTEXT, PassCosts, RuntimeCosts, fastest, interpolate, long_context, machine_description
 from .draft import Draft
 from .hf_generation import GenerationSettings
@@ -271,9 +271,10 @@ class BatchSession:
 
     def __init__(self, parts: ModelParts, plan: DraftPlan, *, settings_for: Callable[..., GenerationSettings],
                  costs_for: Callable[[int, bool], RuntimeCosts], check_context: Callable[[int, int], None],
-                 linear: LinearKernels = NO_CHANGE) -> None:
+                 linear: LinearKernels = NO_CHANGE, attention: AttentionKernels = NO_ATTENTION_CHANGE) -> None:
         self.parts = parts
-        self.linear = linear  # how the linear layers run here (`cpu_kernels.py`), for every pass of the session
+        # How the linear layers and the attention run here (`cpu_kernels.py`), for every pass of the session.
+        self.linear, self.attention = linear, attention
         self.ngram = plan.ngram
         self.max_draft = plan.draft_length if plan.ngram else 0
         self.acceptance = AcceptanceEstimates(prior=plan.target_acceptance)  # every row's n-gram outcomes
@@ -292,7 +293,7 @@ class BatchSession:
     def prepare(self, max_rows: int) -> None:
         """Measure (or load) the batched pass costs for 1..max_rows rows now, not in a request's first round."""
         if self.max_draft:
-            with cpu_kernels(linear=self.linear):
+            with cpu_kernels(linear=self.linear, attention=self.attention):
                 for rows in range(1, max_rows + 1):
                     self.costs_for(rows, True)
 
@@ -307,12 +308,12 @@ class BatchSession:
         A row that is done at once (`max_new_tokens=1`, or EOS first) is
         returned finished and does not join.
         """
-        with torch.no_grad(), cpu_kernels(linear=self.linear):
+        with torch.no_grad(), cpu_kernels(linear=self.linear, attention=self.attention):
             return self._add(prompt, **options)
 
     def step(self) -> list[BatchRow]:
         """One round for every row; returns the rows that finished in it (they have left the batch)."""
-        with torch.no_grad(), cpu_kernels(linear=self.linear):
+        with torch.no_grad(), cpu_kernels(linear=self.linear, attention=self.attention):
             return self._step()
 
     def _add(self, prompt: list[int], *, streamer=None, stopping_criteria=None, logits_processor=None,

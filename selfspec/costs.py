@@ -51,9 +51,9 @@ COSTS_FORMAT = "selfspec.costs/3"
 MEASURE_CONTEXT = 48  # tokens already in the cache while timing
 LONG_CONTEXT = 1024  # ... and a second time: how a pass's cost grows with the context
 # Raised when the way selfspec runs a pass changes what it costs (2: batched caches written by indexed assignment;
-# 3: grouped query heads folded into one attention call, `cpu_kernels.py`; 4: oneDNN among the linear kernels),
-# so tables timed before are measured anew.
-PASS_KERNELS = 4
+# 3: grouped query heads folded into one attention call, `cpu_kernels.py`; 4: oneDNN among the linear kernels;
+# 5: the attention kernel measured, by queries and entries), so tables timed before are measured anew.
+PASS_KERNELS = 5
 FLAT_UP_TO = 16  # the "flat" profile: a pass over up to this many tokens costs one step
 SHAPE_SLACK = 1.2  # how far one width's runtime correction may stray from its context band's (`RuntimeCosts.ratio`)
 

@@ -1,18 +1,23 @@
-"""Kernel choices for passes on the CPU: grouped-query attention in one sdpa call, and the kernel each linear
-layer runs, each where this machine runs it faster.
+"""Kernel choices for passes on the CPU: the attention kernel and the kernel each linear layer runs, each
+where this machine runs it faster (measured here, on the model's own shapes).
 
 Two things transformers leaves slow for the passes speculation makes (a few
 tokens, or a few tokens on each of several rows), and one it leaves slow
 everywhere on some CPUs:
 
-- **Attention over grouped K/V heads** (`packed_gqa_sdpa`). For a masked
-  pass over q > 1 queries, transformers copies each K/V head once per query
-  head it serves (`repeat_kv`). Here the query heads that share a K/V head
-  are folded into its query length instead, `[b, kv_heads, groups * q, d]`,
-  the mask repeated over the groups: one kernel call, K/V as they are. This
-  is what transformers itself does for one query (`pack_gqa`). Measured
-  (AVX512 CPU, SmolLM2's heads, 8 rows x 2 tokens at 256 entries): 0.23 ms a
-  layer, against 0.44 with the kernel's own `enable_gqa`.
+- **The attention kernel** (`AttentionKernels`). transformers hands every
+  pass to sdpa, K/V heads shared by `enable_gqa` (or copied, `repeat_kv`).
+  On some CPUs that kernel is slow for few queries: in bfloat16 on an
+  AVX512 CPU, one query over 1,024 cache entries of SmolLM2's heads took
+  0.45 ms a layer, of Gemma 3 270M's 0.85 ms. Two others compute the same:
+  `packed` folds the query heads that share a K/V head into its query
+  length (`[b, kv_heads, groups * q, d]`, the mask repeated over the groups;
+  one sdpa call over K/V as they are): 0.07 ms for both; and `float32` runs
+  scores, softmax and sum as three plain operations in float32. Which wins
+  depends on the dtype, the heads, the queries and the entries (packed lost
+  to sdpa for 17 queries on Gemma's one K/V head, 0.84 against 0.58 ms), so
+  `measure_attention_kernels` times each on the model's head shape for 1..32
+  queries over 64..4,096 entries and keeps the fastest where it beats sdpa by 5%.
 - **The linear layers' kernel** (`LinearKernels`). `F.linear(x, W)`
   computes x W^T with the BLAS torch was built with (MKL on x86). For a few
   rows of x that BLAS may be much faster at (W x^T)^T on some machines
@@ -28,8 +33,8 @@ functions transformers calls (`torch.nn.functional.linear` and its "sdpa"
 attention entry) are swapped process-wide while any thread is inside, and
 dispatch on that thread's choice, so a call from elsewhere (another
 thread's `model.generate`) runs the original functions. Both compute the
-same sums in another order (float rounding apart; greedy equality with
-`model.generate` is exact in float64).
+same sums in another order, in the precision sdpa keeps them (float rounding
+apart; greedy equality with `model.generate` is exact in float64).
 
 This module does not know plans, caches or when a pass is worth running.
 """
@@ -189,7 +194,7 @@ def measure_linear_kernels(modules: list[nn.Module], *, repeats: int = 3) -> Lin
 
 # --------------------------------------------------------------------------- the swapped functions
 
-_state = threading.local()  # this thread's choice: .attention (bool), .linear (LinearKernels)
+_state = threading.local()  # this thread's choice: .attention (AttentionKernels), .linear (LinearKernels)
 _lock = threading.Lock()
 _inside = 0  # threads inside `cpu_kernels` (the functions are swapped while > 0)
 _attention_before: tuple[bool, object] = (False, None)  # the "sdpa" entry's local override before the swap
@@ -211,43 +216,185 @@ def chosen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return _linear(x, weight, bias)
 
 
-def packed_gqa_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                    is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa attention, with the query heads that share a K/V head folded into its query length.
-
-    query `[b, heads, q, d]`, key and value `[b, kv_heads, kv, d]`, a mask
-    `[b or 1, 1, q, kv]`; head h reads K/V head h // groups. Only for this
-    thread's passes inside `cpu_kernels(attention=True)`; anything else (no
-    mask, one query, no grouped heads, dropout, options that change the
-    scores) goes to transformers' function unchanged.
-    """
-    groups = getattr(module, "num_key_value_groups", 1)
+def fold_grouped_heads(query: torch.Tensor, mask: torch.Tensor | None, kv_heads: int):
+    """Query heads that share a K/V head folded into its query length: query `[b, heads, q, d]` ->
+    `[b, kv_heads, groups * q, d]` (row g * q + t: query t of head (kv, g); head h reads K/V head h // groups),
+    and a mask `[b or 1, 1, q, kv]` repeated over the groups -> `[b or 1, 1, groups * q, kv]`."""
     b, heads, q, d = query.shape
-    plain = (not getattr(_state, "attention", False) or groups <= 1 or q == 1 or attention_mask is None or dropout
-             or attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or key.shape[1] * groups != heads
-             or any(kwargs.get(option) is not None for option in CHANGED_ATTENTION))
-    if plain:
+    groups = heads // kv_heads
+    folded = query.reshape(b, kv_heads, groups * q, d)
+    if mask is not None:
+        mask = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(mask.shape[0], 1, groups * q, -1)
+    return folded, mask
+
+
+def sdpa_attention(query, key, value, mask, scale) -> torch.Tensor:
+    """The kernel transformers' "sdpa" attention calls (K/V heads shared by `enable_gqa`): query
+    `[b, heads, q, d]`, key and value `[b, kv_heads, kv, d]`, a bool mask `[b or 1, 1, q, kv]` or None ->
+    `[b, heads, q, d]`. What the others are timed and checked against."""
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                                            enable_gqa=key.shape[1] != query.shape[1])
+
+
+def packed_attention(query, key, value, mask, scale) -> torch.Tensor:
+    """sdpa with grouped query heads folded into the query length (`fold_grouped_heads`): one kernel call over
+    K/V as they are. Same arguments and result as `sdpa_attention`."""
+    b, heads, q, d = query.shape
+    folded, mask = fold_grouped_heads(query, mask, key.shape[1])
+    out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scale)
+    return out.reshape(b, heads, q, d)
+
+
+def float32_attention(query, key, value, mask, scale) -> torch.Tensor:
+    """Attention as three plain operations (scores, softmax, weighted sum), all in float32 or wider whatever the
+    dtype, grouped heads folded (`fold_grouped_heads`). Same arguments and result as `sdpa_attention`.
+
+    Where sdpa's kernel is slow for few queries (bfloat16 on some CPUs: one query over 1,024 entries of SmolLM2's
+    heads, 0.45 ms against 0.08, measured on an AVX512 CPU) this is the same sums, in float32 as the kernel keeps
+    them, in another order; it holds a `[b, kv_heads, groups * q, kv]` float32 score matrix while it runs.
+    """
+    b, heads, q, d = query.shape
+    folded, mask = fold_grouped_heads(query, mask, key.shape[1])
+    wide = torch.promote_types(query.dtype, torch.float32)  # float64 stays float64
+    scores = torch.matmul(folded.to(wide), key.to(wide).transpose(-1, -2)) * scale  # [b, kv_heads, groups*q, kv]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), value.to(wide))  # [b, kv_heads, groups*q, d]
+    return out.to(query.dtype).reshape(b, heads, q, d)
+
+
+ATTENTION_FUNCTIONS = {"sdpa": sdpa_attention, "packed": packed_attention, "float32": float32_attention}
+
+
+@dataclass(frozen=True)
+class AttentionKernels:
+    """Which attention kernel a pass of q queries over kv cache entries runs: `kernels[i][j]` for q in
+    [queries[i], queries[i + 1]) and kv in [keys[j], keys[j + 1]) (the first key count's below it, the last
+    one's beyond); "sdpa" (transformers' own function) for more queries than the last measured count, and
+    where nothing was measured."""
+
+    queries: tuple[int, ...] = ()
+    keys: tuple[int, ...] = ()
+    kernels: tuple[tuple[str, ...], ...] = ()  # [len(queries)][len(keys)]
+
+    def __call__(self, q: int, kv: int) -> str:
+        if not self.queries or q > self.queries[-1] * 2 - 1:
+            return "sdpa"
+        i = max(bisect.bisect_right(self.queries, q) - 1, 0)
+        j = max(bisect.bisect_right(self.keys, kv) - 1, 0)
+        return self.kernels[i][j]
+
+    def __bool__(self) -> bool:  # some pass runs another kernel
+        return any(kernel != "sdpa" for row in self.kernels for kernel in row)
+
+    def describe(self) -> str:
+        """Per query count, the kernel from each entry count on: "1 query: packed from 64; 4: float32 from 1024"."""
+        if not self:
+            return "as transformers runs it"
+        lines = []
+        for q, row in zip(self.queries, self.kernels):
+            runs = [f"{kernel} from {kv}" for j, (kv, kernel) in enumerate(zip(self.keys, row))
+                    if kernel != (row[j - 1] if j else "sdpa")]
+            if runs:
+                lines.append(f"{q} quer{'y' if q == 1 else 'ies'}: {', '.join(runs)}")
+        return "; ".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"queries": list(self.queries), "keys": list(self.keys), "kernels": [list(r) for r in self.kernels]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "AttentionKernels":
+        queries, keys = tuple(int(q) for q in data["queries"]), tuple(int(k) for k in data["keys"])
+        kernels = tuple(tuple(str(k) for k in row) for row in data["kernels"])
+        if (list(queries) != sorted(set(queries)) or list(keys) != sorted(set(keys)) or len(kernels) != len(queries)
+                or any(len(row) != len(keys) or not set(row) <= set(ATTENTION_FUNCTIONS) for row in kernels)):
+            raise ValueError(f"not a choice of attention kernels: {data}")
+        return cls(queries, keys, kernels)
+
+
+NO_ATTENTION_CHANGE = AttentionKernels()
+# The passes `measure_attention_kernels` times: query counts (one token, a chain or a tree; more than twice the
+# last go to sdpa) by cache entries (a choice covers the entries up to the next count).
+ATTENTION_QUERIES = (1, 2, 4, 8, 16, 32)
+ATTENTION_KEYS = (64, 256, 1024, 4096)
+
+
+def measure_attention_kernels(*, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                              device: torch.device, max_keys: int | None = None,
+                              repeats: int = 3) -> AttentionKernels:
+    """Time every attention kernel that applies (`packed` only with grouped K/V heads) on this shape, at each
+    of `ATTENTION_QUERIES` x `ATTENTION_KEYS` (up to `max_keys`), a causal mask for several queries, interleaved,
+    the fastest of `repeats`; another kernel is kept where it beats sdpa by `KERNEL_MARGIN`."""
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads cannot share {kv_heads} K/V heads")
+    kernels = [k for k in ATTENTION_FUNCTIONS if k != "packed" or heads > kv_heads]
+    keys = tuple(k for k in ATTENTION_KEYS if max_keys is None or k <= max_keys) or ATTENTION_KEYS[:1]
+    generator = torch.Generator().manual_seed(0)
+    scale = head_dim ** -0.5
+
+    def tensors(q: int, kv: int):
+        query = torch.randn(1, heads, q, head_dim, generator=generator).to(device, dtype)
+        key, value = (torch.randn(1, kv_heads, kv, head_dim, generator=generator).to(device, dtype) for _ in "kv")
+        # The last q entries are the queries' own: each sees the prefix and the ones before it.
+        mask = None if q == 1 else torch.ones(q, kv, dtype=torch.bool, device=device).tril(kv - q)[None, None]
+        return query, key, value, mask
+
+    inputs = {(q, kv): tensors(q, kv) for q in ATTENTION_QUERIES for kv in keys}
+
+    def run(shape, kernel):
+        return lambda: ATTENTION_FUNCTIONS[kernel](*inputs[shape], scale)
+
+    with torch.no_grad():
+        times = fastest({(shape, k): run(shape, k) for shape in inputs for k in kernels}, repeats=repeats,
+                        device=device)
+
+    def best(shape) -> str:
+        kernel = min(kernels, key=lambda k: times[shape, k])
+        return kernel if times[shape, kernel] < times[shape, "sdpa"] * (1 - KERNEL_MARGIN) else "sdpa"
+
+    return AttentionKernels(ATTENTION_QUERIES, keys,
+                            tuple(tuple(best((q, kv)) for kv in keys) for q in ATTENTION_QUERIES))
+
+
+def chosen_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa attention entry, by the kernel this thread's `AttentionKernels` chose for the pass's
+    queries and cache entries.
+
+    query `[b, heads, q, d]`, key and value `[b, kv_heads, kv, d]`, a bool
+    mask `[b or 1, 1, q, kv]` or None; returns `[b, q, heads, d]`, as
+    transformers' function does. Anything the others do not compute alike
+    (a causal pass with no mask, a mask of another kind, dropout, options
+    that change the scores, another device) goes to transformers' function.
+    """
+    choice = getattr(_state, "attention", NO_ATTENTION_CHANGE)
+    b, heads, q, d = query.shape
+    kernel = "sdpa"
+    if choice and query.device.type == "cpu" and not dropout and heads % key.shape[1] == 0:
+        if (attention_mask is None and q == 1) or (attention_mask is not None and attention_mask.dtype == torch.bool
+                                                   and attention_mask.dim() == 4 and attention_mask.shape[1] == 1):
+            if not any(kwargs.get(option) is not None for option in CHANGED_ATTENTION):
+                kernel = choice(q, key.shape[2])
+    if kernel == "sdpa":
         return _attention_original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                    is_causal=is_causal, **kwargs)
-    kv_heads = key.shape[1]
-    packed = query.reshape(b, kv_heads, groups * q, d)  # row g * q + t: query t of head (kv, g)
-    mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(attention_mask.shape[0], 1,
-                                                                            groups * q, -1)  # [b, 1, groups*q, kv]
-    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
-    return out.reshape(b, heads, q, d).transpose(1, 2).contiguous(), None  # [b, q, heads, d]
+    mask = None if attention_mask is None else attention_mask[:, :, :, : key.shape[2]]
+    scale = d**-0.5 if scaling is None else scaling
+    out = ATTENTION_FUNCTIONS[kernel](query, key, value, mask, scale)  # [b, heads, q, d]
+    return out.transpose(1, 2).contiguous(), None  # [b, q, heads, d]
 
 
 @contextlib.contextmanager
-def cpu_kernels(*, attention: bool | None = None, linear: LinearKernels | None = None):
-    """Within: this thread's passes use the packed attention (`attention`) and linear kernels (`linear`);
+def cpu_kernels(*, attention: AttentionKernels | None = None, linear: LinearKernels | None = None):
+    """Within: this thread's passes use the attention (`attention`) and linear kernels (`linear`) chosen;
     None keeps the enclosing choice. Nests; restores the thread's choice and, when the last thread leaves,
     the original functions. Choosing nothing swaps nothing."""
     global _inside, _attention_before, _attention_original
     # Imported here: transformers' modeling_utils loads its quantization back ends (and their warnings) on import.
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    saved = (getattr(_state, "attention", False), getattr(_state, "linear", NO_CHANGE))
+    saved = (getattr(_state, "attention", NO_ATTENTION_CHANGE), getattr(_state, "linear", NO_CHANGE))
     chosen = (saved[0] if attention is None else attention, saved[1] if linear is None else linear)
     if not chosen[0] and not chosen[1]:  # nothing to change (a GPU, say): transformers' functions, not swapped
         _state.attention, _state.linear = chosen
@@ -261,7 +408,7 @@ def cpu_kernels(*, attention: bool | None = None, linear: LinearKernels | None =
             local = ALL_ATTENTION_FUNCTIONS._local_mapping
             _attention_before = ("sdpa" in local, local.get("sdpa"))
             _attention_original = ALL_ATTENTION_FUNCTIONS["sdpa"]
-            ALL_ATTENTION_FUNCTIONS["sdpa"] = packed_gqa_sdpa
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = chosen_attention
             torch.nn.functional.linear = chosen_linear
         _inside += 1
     _state.attention, _state.linear = chosen

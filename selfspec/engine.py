@@ -39,7 +39,8 @@ from .costs import (
     measure_pass_costs,
     save_costs,
 )
-from .cpu_kernels import NO_CHANGE, LinearKernels, cpu_kernels, measure_linear_kernels
+from .cpu_kernels import (NO_ATTENTION_CHANGE, NO_CHANGE, AttentionKernels, LinearKernels, cpu_kernels,
+                          measure_attention_kernels, measure_linear_kernels)
 from .draft import Draft, Drafter
 from .head import ExitHead, load_head
 from .hf_generation import GenerationSettings, resolve_settings
@@ -131,6 +132,7 @@ class SelfSpecModel:
         self.measured_costs: dict[tuple, RuntimeCosts] = {}  # by (threads, device): a table, refined by the rounds
         self.batch_costs: dict[tuple, RuntimeCosts] = {}  # by (threads, device, rows): batched passes (`batch.py`)
         self.linear_choices: dict[int, LinearKernels] = {}  # by threads: the linear layers' kernels (`cpu_kernels.py`)
+        self.attention_choices: dict[int, AttentionKernels] = {}  # by threads: the attention kernel, likewise
         self.step = self._resolve_step(step)
         self.graphed: GraphedRunner | None = None  # kept across generations: its graphs hold its cache's addresses
         self.last_stats: GenerationStats | BatchStats | None = None
@@ -209,7 +211,7 @@ class SelfSpecModel:
         def measure() -> PassCosts:
             if self.plan.auto:  # an auto plan's table times its reference set (`auto_layers.py` scales from it)
                 self.drafter.set_layers(self.plan.draft_layers(self.parts.num_layers))
-            with cpu_kernels(linear=self.linear_kernels()):
+            with self.kernels():
                 return measure_pass_costs(
                     lambda capacity: self._runner(capacity, keep=False),
                     draft_step if self.drafter.has_layers else None,
@@ -257,6 +259,7 @@ class SelfSpecModel:
             machine=machine_description(device),
             max_width=self.max_width,
             linear=self.linear_kernels().to_dict(),  # the kernels the passes ran with
+            attention=self.attention_kernels().to_dict(),
             **extra,
         )
 
@@ -275,6 +278,32 @@ class SelfSpecModel:
                                                            lambda: measure_linear_kernels(modules),
                                                            kind=LinearKernels)
         return self.linear_choices[threads]
+
+    def attention_kernels(self) -> AttentionKernels:
+        """Which attention kernel the passes run here (`cpu_kernels.py`), by queries and cache entries: measured
+        once per machine, model shape, dtype and thread count on the CPU under sdpa (cached on disk with the
+        linear kernels); unchanged elsewhere."""
+        if self.parts.device.type != "cpu" or self.parts.attn_implementation != "sdpa":
+            return NO_ATTENTION_CHANGE
+        threads = torch.get_num_threads()
+        if threads not in self.attention_choices:
+            config = text_config(self.model.config)
+            heads = config.num_attention_heads
+            shape = dict(heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads)
+            key = cache_key(kind="attention kernels", **shape, dtype=str(self.parts.dtype), threads=threads,
+                            max_keys=self.parts.max_positions, machine=machine_description(self.parts.device))
+            folder = costs_cache_dir()
+            self.attention_choices[threads] = load_or_measure(
+                None if folder is None else folder / "kernels", key,
+                lambda: measure_attention_kernels(**shape, dtype=self.parts.dtype, device=self.parts.device,
+                                                  max_keys=self.parts.max_positions),
+                kind=AttentionKernels)
+        return self.attention_choices[threads]
+
+    def kernels(self):
+        """The context every pass of this model runs in: the linear and attention kernels chosen here."""
+        return cpu_kernels(linear=self.linear_kernels(), attention=self.attention_kernels())
 
     def _policy(self, settings: GenerationSettings) -> CostPolicy | AdaptivePolicy:
         if self.plan.policy == "fixed" or not self.plan.drafts:
@@ -348,7 +377,7 @@ class SelfSpecModel:
         self._check_context(len(prompt), settings.max_new_tokens)
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        with cpu_kernels(linear=self.linear_kernels()):
+        with self.kernels():
             tokens, self.last_stats = self._decode(prompt, settings, streamer, generator)
         if streamer is not None:
             streamer.end()
@@ -365,7 +394,8 @@ class SelfSpecModel:
         that finished.
         """
         return BatchSession(self.parts, self.plan, settings_for=self._row_settings, costs_for=self._batch_costs,
-                            check_context=self._check_context, linear=self.linear_kernels())
+                            check_context=self._check_context, linear=self.linear_kernels(),
+                            attention=self.attention_kernels())
 
     def _row_settings(self, prompt: list[int], *, logits_processor, stopping_criteria, kwargs,
                       generation_config=None, tokenizer=None) -> GenerationSettings:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import torch
 
 from .cache import SharedKVCache
-from .cpu_kernels import cpu_kernels
 from .parts import ModelParts, soft_cap
 from .tree import TokenTree
 from .vocab import DraftVocab
@@ -130,21 +129,20 @@ class LayerRunner:
 
         `mask_for(window)` makes the attention mask for a sliding window (None:
         none), once per window a pass meets; `rotary` holds the (cos, sin) per
-        layer type; `probe` as `run`'s. A pass over several queries runs with
-        the packed attention (`cpu_kernels.packed_gqa_sdpa`) where `wide_pass_kernel` says so.
+        layer type; `probe` as `run`'s. The attention and linear kernels are
+        those the caller chose (`cpu_kernels.cpu_kernels`), else transformers' own.
         """
         masks: dict[int | None, torch.Tensor | None] = {}
-        with cpu_kernels(attention=self.wide_pass_kernel(hidden.shape[1])):
-            for i in layers:
-                window = self.windows[i]
-                if window not in masks:
-                    masks[window] = mask_for(window)
-                before = hidden
-                hidden = self.call(self.layers[i], hidden, mask=masks[window],
-                                   position_embeddings=rotary.get(self.rotary_kinds[i]), position_ids=position_ids,
-                                   cache=self.cache)
-                if probe is not None:
-                    probe(i, before, hidden)
+        for i in layers:
+            window = self.windows[i]
+            if window not in masks:
+                masks[window] = mask_for(window)
+            before = hidden
+            hidden = self.call(self.layers[i], hidden, mask=masks[window],
+                               position_embeddings=rotary.get(self.rotary_kinds[i]), position_ids=position_ids,
+                               cache=self.cache)
+            if probe is not None:
+                probe(i, before, hidden)
         return hidden
 
     def causal_prefill(self, start: int, q: int, window: int | None) -> bool:
@@ -156,11 +154,6 @@ class LayerRunner:
         bfloat16, 1.33 against 1.44 s in float32). Eager attention needs the mask.
         """
         return start == 0 and q > 1 and self.bool_masks and (window is None or q <= window)
-
-    def wide_pass_kernel(self, q: int) -> bool:
-        """Whether a pass over `q` queries should hand grouped K/V heads to the kernel as they are (see
-        `cpu_kernels.packed_gqa_sdpa`): a masked pass over several queries, on the CPU, with sdpa."""
-        return q > 1 and self.bool_masks and self.positions.device.type == "cpu"
 
     def logits(self, hidden: torch.Tensor, vocab: DraftVocab | None = None) -> torch.Tensor:
         """`[q, vocab]` float32 logits from the last hidden states `[1, q, hidden]`.

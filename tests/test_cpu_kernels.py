@@ -1,5 +1,5 @@
-"""The CPU kernel choices (`cpu_kernels.py`): grouped query heads folded into one attention call, and the linear
-layers' kernel (F.linear, transposed, oneDNN). Each computes what transformers computes, only in the thread that
+"""The CPU kernel choices (`cpu_kernels.py`): the attention kernel (sdpa, packed grouped heads, float32), and the
+linear layers' kernel (F.linear, transposed, oneDNN). Each computes what transformers computes, only in the thread that
 chose it, and greedy output stays token-identical to `model.generate`."""
 
 from __future__ import annotations
@@ -12,69 +12,111 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import selfspec
 from selfspec import cpu_kernels
-from selfspec.cpu_kernels import (LINEAR_KERNELS, LINEAR_ROWS, NO_CHANGE, LinearKernels, chosen_linear,
-                                  measure_linear_kernels, onednn_linear, onednn_usable, packed_gqa_sdpa,
-                                  transposed_linear)
+from selfspec.cpu_kernels import (ATTENTION_FUNCTIONS, ATTENTION_QUERIES, LINEAR_KERNELS, LINEAR_ROWS,
+                                  NO_ATTENTION_CHANGE, NO_CHANGE, AttentionKernels, LinearKernels, chosen_attention,
+                                  chosen_linear, measure_attention_kernels, measure_linear_kernels, onednn_linear,
+                                  onednn_usable, sdpa_attention, transposed_linear)
 from selfspec.testing import TINY_CONFIGS, random_prompt, tiny_model
 
 ARCHS = sorted(TINY_CONFIGS)
 EVERYWHERE = LinearKernels(LINEAR_ROWS, ("transposed",) * len(LINEAR_ROWS))
+PACKED = AttentionKernels(ATTENTION_QUERIES, (64,), (("packed",),) * len(ATTENTION_QUERIES))
 
 
 def test_the_functions_are_swapped_only_while_a_thread_is_inside():
     linear, sdpa_entry = torch.nn.functional.linear, ALL_ATTENTION_FUNCTIONS["sdpa"]
-    assert linear is not chosen_linear and sdpa_entry is not packed_gqa_sdpa
-    with cpu_kernels.cpu_kernels(attention=True, linear=EVERYWHERE):
-        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is packed_gqa_sdpa
+    assert linear is not chosen_linear and sdpa_entry is not chosen_attention
+    with cpu_kernels.cpu_kernels(attention=PACKED, linear=EVERYWHERE):
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is chosen_attention
         assert torch.nn.functional.linear is chosen_linear
-        with cpu_kernels.cpu_kernels(attention=False):  # nested: the inner choice, then the outer one again
+        with cpu_kernels.cpu_kernels(attention=NO_ATTENTION_CHANGE):  # nested: the inner choice, then the outer
             assert not cpu_kernels._state.attention and cpu_kernels._state.linear is EVERYWHERE
-        assert cpu_kernels._state.attention
+        assert cpu_kernels._state.attention is PACKED
     assert torch.nn.functional.linear is linear and ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_entry
     assert cpu_kernels._inside == 0
-    with cpu_kernels.cpu_kernels(attention=False, linear=NO_CHANGE):  # nothing chosen (a GPU): nothing swapped
+    with cpu_kernels.cpu_kernels(attention=NO_ATTENTION_CHANGE, linear=NO_CHANGE):  # nothing chosen: nothing swapped
         assert torch.nn.functional.linear is linear and ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_entry
 
 
-def test_wide_passes_fold_grouped_query_heads_into_one_kernel_call_and_compute_the_same(monkeypatch):
-    """On the CPU a masked pass over several queries runs sdpa once over the K/V heads as they are, the query
-    heads that share one folded into its query length (no copy of K/V per query head); a one-query pass as
-    transformers runs it; the logits are those of transformers' copying path."""
-    from selfspec.batch import BatchRunner
+def _attention_inputs(heads: int, kv_heads: int, rows: int, q: int, kv: int, *, masked: bool):
+    generator = torch.Generator().manual_seed(heads * 100 + q)
+    query = torch.randn(rows, heads, q, 8, dtype=torch.float64, generator=generator)
+    key, value = (torch.randn(rows, kv_heads, kv, 8, dtype=torch.float64, generator=generator) for _ in "kv")
+    if not masked:
+        return query, key, value, None
+    # A tree-like mask: every query sees the prefix, itself and a random half of the other new entries.
+    mask = torch.rand(rows, 1, q, q, generator=generator) < 0.5
+    mask |= torch.eye(q, dtype=torch.bool)
+    return query, key, value, torch.cat([torch.ones(rows, 1, q, kv - q, dtype=torch.bool), mask], dim=-1)
 
-    model = tiny_model("llama", dtype=torch.float32)
-    kv_heads, heads = model.config.num_key_value_heads, model.config.num_attention_heads
-    groups = heads // kv_heads
-    assert groups == 2  # grouped K/V heads
-    parts = selfspec.wrap(model).parts
-    calls = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
 
-    def spy(query, key, value, **kwargs):
-        calls.append((query.shape[2], key.shape[1], kwargs.get("enable_gqa", False)))
-        return sdpa(query, key, value, **kwargs)
+@pytest.mark.parametrize("kernel", sorted(ATTENTION_FUNCTIONS))
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4), (4, 1)])
+def test_every_attention_kernel_computes_what_sdpa_computes(kernel, heads, kv_heads):
+    for rows, q, kv, masked in [(1, 1, 9, False), (1, 1, 9, True), (1, 5, 12, True), (2, 3, 7, True)]:
+        query, key, value, mask = _attention_inputs(heads, kv_heads, rows, q, kv, masked=masked)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query, key.repeat_interleave(heads // kv_heads, 1), value.repeat_interleave(heads // kv_heads, 1),
+            attn_mask=mask, scale=0.3)  # [rows, heads, q, d]: K/V copied per query head, transformers' old way
+        out = ATTENTION_FUNCTIONS[kernel](query, key, value, mask, 0.3)
+        assert out.shape == expected.shape and out.dtype == torch.float64
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    query, key, value, _ = _attention_inputs(heads, kv_heads, 1, 1, 9, masked=False)
+    low = ATTENTION_FUNCTIONS[kernel](*(t.bfloat16() for t in (query, key, value)), None, 0.3)
+    assert low.dtype == torch.bfloat16  # the result in the pass's dtype, whatever it computed in
+    torch.testing.assert_close(low.double(), sdpa_attention(query, key, value, None, 0.3), rtol=0, atol=0.05)
 
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
 
-    def logits(wide_kernel: bool) -> torch.Tensor:
-        runner = BatchRunner(parts, capacity=32)
-        runner.wide_pass_kernel = lambda q: wide_kernel and q > 1
-        for prompt in ([5, 9, 2, 7], [3, 8]):  # rows at different lengths: the pass needs a mask
-            row = runner.cache.add_row()
-            runner.forward_rows(torch.tensor([prompt]), [0], slice(row, row + 1))
-        calls.clear()  # a prefill goes unmasked, transformers' causal kernel
-        step = runner.forward_rows(torch.tensor([[1], [4]]), [4, 2], slice(0, 2))  # [2, 1, vocab]
-        return torch.cat([step, runner.forward_rows(torch.tensor([[6, 2, 11], [7, 7, 3]]), [5, 3], slice(0, 2))], 1)
+def test_the_attention_entry_runs_the_kernel_chosen_for_the_queries_and_entries_else_transformers(monkeypatch):
+    ran = []
+    for name in ATTENTION_FUNCTIONS:
+        real = ATTENTION_FUNCTIONS[name]
+        monkeypatch.setitem(ATTENTION_FUNCTIONS, name, lambda *a, _n=name, _r=real: ran.append(_n) or _r(*a))
+    choice = AttentionKernels((1, 4), (64, 1024), (("packed", "float32"), ("sdpa", "float32")))
+    assert [choice(q, kv) for q, kv in [(1, 10), (1, 64), (3, 1023), (1, 5000), (4, 64), (7, 2000), (8, 64)]] == [
+        "packed", "packed", "packed", "float32", "sdpa", "float32", "sdpa"]  # 8 > twice the last query count
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal, module.training = 3, True, False
+    with cpu_kernels.cpu_kernels(attention=choice):
+        entry = ALL_ATTENTION_FUNCTIONS["sdpa"]
 
-    with torch.no_grad():
-        copied = logits(False)
-        assert (3, heads, False) in calls  # transformers' path: K/V copied once per query head
-        calls.clear()
-        packed = logits(True)
-    # The 3-token pass: each K/V head's 2 query heads folded into 6 queries; the one-token pass as transformers
-    # runs it, its query heads folded into 2 queries per K/V head. Neither copies K/V nor asks for enable_gqa.
-    assert set(calls) == {(groups, kv_heads, False), (3 * groups, kv_heads, False)}
-    torch.testing.assert_close(packed, copied, rtol=0, atol=1e-5)
+        def attend(q, kv, *, masked=True, **options):
+            query, key, value, mask = _attention_inputs(6, 2, 1, q, kv, masked=masked)
+            out, _ = entry(module, query, key, value, mask, scaling=0.3, **options)  # [1, q, heads, d]
+            causal = torch.ones(q, kv, dtype=torch.bool).tril(kv - q)[None, None]  # what no mask means for q > 1
+            expected = sdpa_attention(query, key, value, causal if mask is None else mask, 0.3).transpose(1, 2)
+            torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+            return ran.pop() if ran else "transformers"
+
+        assert attend(1, 9, masked=False) == "packed"
+        assert attend(1, 2000) == "float32"
+        assert attend(5, 80) == "transformers"  # sdpa chosen: transformers' own function
+        assert attend(5, 2000) == "float32"
+        assert attend(5, 5, masked=False) == "transformers"  # a causal pass with no mask: transformers' own
+        assert attend(1, 9, softcap=None) == "packed"  # an option left unset changes nothing
+    assert AttentionKernels.from_dict(choice.to_dict()) == choice
+    assert choice.describe() == "1 query: packed from 64, float32 from 1024; 4 queries: float32 from 1024"
+    assert not NO_ATTENTION_CHANGE and NO_ATTENTION_CHANGE(1, 100) == "sdpa"
+    with pytest.raises(ValueError, match="not a choice of attention kernels"):
+        AttentionKernels.from_dict({"queries": [1], "keys": [64], "kernels": [["flash"]]})
+
+
+def test_measuring_times_every_attention_kernel_that_applies_on_the_heads_shape(monkeypatch):
+    timed = []
+    real = cpu_kernels.fastest
+    monkeypatch.setattr(cpu_kernels, "fastest", lambda runs, **kw: timed.extend(runs) or real(runs, **kw))
+    cpu = torch.device("cpu")
+    choice = measure_attention_kernels(heads=4, kv_heads=2, head_dim=8, dtype=torch.float32, device=cpu,
+                                       max_keys=300, repeats=1)
+    assert choice.queries == ATTENTION_QUERIES and choice.keys == (64, 256)  # no more entries than the model holds
+    assert {k for _, k in timed} == set(ATTENTION_FUNCTIONS)
+    assert {shape for shape, _ in timed} == {(q, kv) for q in ATTENTION_QUERIES for kv in (64, 256)}
+    timed.clear()
+    measure_attention_kernels(heads=4, kv_heads=4, head_dim=8, dtype=torch.float32, device=cpu, max_keys=64,
+                              repeats=1)
+    assert {k for _, k in timed} == {"sdpa", "float32"}  # no grouped heads: nothing to fold
+    with pytest.raises(ValueError, match="cannot share"):
+        measure_attention_kernels(heads=4, kv_heads=3, head_dim=8, dtype=torch.float32, device=cpu)
 
 
 def test_transposed_linear_computes_what_linear_computes():
@@ -178,7 +220,7 @@ def test_measuring_times_the_plain_linear_layers_with_every_kernel_that_runs(mon
 @pytest.mark.parametrize("kernel", ["transposed", "onednn"])
 def test_greedy_output_stays_equal_with_every_pass_on_another_linear_kernel(arch, kernel, monkeypatch):
     """Every linear layer of every pass (prefills included) transposed, in float64, or by oneDNN, in float32 (it
-    has no float64), and the packed attention: greedy output token-identical to `model.generate`, one sequence
+    has no float64), with the attention kernels measured here: greedy output token-identical to `model.generate`, one sequence
     (layer drafts and n-gram proposals) and a batch."""
     ran = []
     name = f"{kernel}_linear"
@@ -205,6 +247,39 @@ def test_greedy_output_stays_equal_with_every_pass_on_another_linear_kernel(arch
     assert ran  # the passes did run on that kernel
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kernel", ["packed", "float32"])
+def test_greedy_output_stays_equal_with_every_pass_on_another_attention_kernel(arch, kernel, monkeypatch):
+    """Every attention call the kernel can take (one query, or a mask: chains, trees, batches) on `kernel`, in
+    float64: greedy output token-identical to `model.generate`, one sequence (layer drafts as trees, n-gram
+    proposals) and a batch."""
+    ran = []
+    real = ATTENTION_FUNCTIONS[kernel]
+    monkeypatch.setitem(ATTENTION_FUNCTIONS, kernel, lambda *a: ran.append(1) or real(*a))
+    model = tiny_model(arch, dtype=torch.float64)
+    num_layers = model.config.get_text_config().num_hidden_layers
+    plan = selfspec.DraftPlan(layers=tuple(range(num_layers // 2)), draft_length=4, ngram=2, tree=6, policy="fixed")
+    spec = selfspec.wrap(model, plan=plan)
+    choice = AttentionKernels(ATTENTION_QUERIES, (1,), ((kernel,),) * len(ATTENTION_QUERIES))
+    spec.attention_choices[torch.get_num_threads()] = choice
+    prompts = [random_prompt(n, seed=n) for n in (7, 12)]
+    for prompt in prompts:
+        ref = model.generate(prompt, do_sample=False, max_new_tokens=24)
+        assert torch.equal(spec.generate(prompt, max_new_tokens=24), ref)
+    if spec.parts.attn_implementation != "sdpa":  # an eager-only model (Gemma 2's capped scores): never swapped
+        assert spec.attention_kernels() is NO_ATTENTION_CHANGE and not ran
+        return
+    assert ran  # the passes did run on that kernel
+    session = spec.batch_session()
+    assert session.attention is choice
+    rows = [session.add(p[0].tolist(), max_new_tokens=24, do_sample=False) for p in prompts]
+    while len(session):
+        session.step()
+    for row, prompt in zip(rows, prompts):
+        ref = model.generate(prompt, do_sample=False, max_new_tokens=24)
+        assert row.new_tokens == ref[0, prompt.shape[1]:].tolist()
+
+
 def test_the_kernels_are_measured_once_cached_apart_and_key_the_cost_tables(tmp_path, monkeypatch):
     monkeypatch.setenv("SELFSPEC_COSTS_CACHE", str(tmp_path))
     model = tiny_model("llama", dtype=torch.float32)
@@ -218,3 +293,11 @@ def test_the_kernels_are_measured_once_cached_apart_and_key_the_cost_tables(tmp_
     other = "onednn" if choice(1) != "onednn" else "linear"
     again.linear_choices[torch.get_num_threads()] = LinearKernels((1,), (other,))
     assert again._costs_key() != key  # a table timed with other kernels is another table
+    attention = spec.attention_kernels()
+    assert attention.queries == ATTENTION_QUERIES and spec.attention_kernels() is attention
+    assert len(list((tmp_path / "kernels").glob("*.json"))) == 2  # the attention's choice beside the linear's
+    assert selfspec.wrap(model).attention_kernels() == attention  # read back from disk
+    key = again._costs_key()
+    other = "float32" if attention(1, 64) != "float32" else "sdpa"
+    again.attention_choices[torch.get_num_threads()] = AttentionKernels((1,), (64,), ((other,),))
+    assert again._costs_key() != key
