@@ -14,6 +14,8 @@ after the timed runs, to tell rounding near-ties from real differences.
 from __future__ import annotations
 
 import json
+import math
+import random
 import statistics
 from dataclasses import asdict
 from pathlib import Path
@@ -143,7 +145,13 @@ def summarize(
             tps = stats["tokens_per_second"]
             stats["speedup"] = tps / base if tps and base else None
     _add_per_prompt_speedups(rows, overall, baseline)
-    return {"overall": overall, "by_category": by_category}
+    summary = {"overall": overall, "by_category": by_category}
+    reference = PAIRED_REFERENCE if PAIRED_REFERENCE in methods else None
+    others = [m for m in methods if m not in (reference, baseline)]
+    if reference and others:
+        summary["paired"] = {"reference": reference,
+                             "methods": {m: paired_comparison(rows, m, reference) for m in others}}
+    return summary
 
 
 def _add_per_prompt_speedups(rows: list[Row], overall: dict, baseline: str) -> None:
@@ -156,6 +164,45 @@ def _add_per_prompt_speedups(rows: list[Row], overall: dict, baseline: str) -> N
             if r.method == method and r.error is None and r.prompt_id in base and r.seconds
         ]
         stats["median_prompt_speedup"] = statistics.median(ratios) if ratios else None
+
+
+# What the other methods are paired with, prompt by prompt (`paired_comparison`): the adapter's plan.
+PAIRED_REFERENCE = "selfspec-plan"
+BOOTSTRAP_SAMPLES = 4000
+
+
+def paired_comparison(rows: list[Row], method: str, reference: str) -> dict:
+    """`method` against `reference`, prompt by prompt: the geometric mean of (its tok/s / the reference's tok/s)
+    with a 95% bootstrap interval over prompts, over every prompt both ran and over those where both wrote
+    the same text (the same work: at a rounding near-tie two lossless methods can write different texts, one
+    longer or easier to draft than the other).
+
+    A ratio of totals lets a few long prompts speak for all and moves with
+    the machine's drift between runs; pairing each prompt with itself, in
+    the same interleaved run, removes what the prompts share. The interval
+    is a percentile bootstrap with a fixed seed (the same rows give the same
+    interval).
+    """
+    mine = {r.prompt_id: r for r in rows if r.method == method and r.error is None and r.seconds}
+    theirs = {r.prompt_id: r for r in rows if r.method == reference and r.error is None and r.seconds}
+    shared = sorted(set(mine) & set(theirs))
+    logs = [math.log(mine[p].tokens_per_second / theirs[p].tokens_per_second) for p in shared]
+    same = [x for p, x in zip(shared, logs) if mine[p].output == theirs[p].output]
+    return {"prompts": len(logs), **_geometric(logs), "same_text_prompts": len(same),
+            **{f"same_text_{k}": v for k, v in _geometric(same).items()}}
+
+
+def _geometric(logs: list[float]) -> dict:
+    """Geometric mean of exp(logs) and its 95% percentile-bootstrap interval (None where it cannot be had)."""
+    if not logs:
+        return {"ratio": None, "low": None, "high": None}
+    draw = random.Random(0)
+    means = sorted(statistics.fmean(draw.choices(logs, k=len(logs))) for _ in range(BOOTSTRAP_SAMPLES))
+    low, high = means[int(0.025 * BOOTSTRAP_SAMPLES)], means[int(0.975 * BOOTSTRAP_SAMPLES) - 1]
+    if len(logs) < 2:
+        low = high = None
+    return {"ratio": math.exp(statistics.fmean(logs)), "low": None if low is None else math.exp(low),
+            "high": None if high is None else math.exp(high)}
 
 
 def summarize_variants(overall: dict, variants: list[str], memory: dict[str, dict], baseline: str) -> dict:
@@ -237,6 +284,7 @@ def markdown(
     for category, group in summary["by_category"].items():
         cells = [_num(group[m]["speedup"], ".2f") for m in methods]
         lines.append(f"| {category} | " + " | ".join(cells) + " |")
+    lines += _paired_lines(summary.get("paired"))
     lines += _difference_lines(rows) + _error_lines(rows, failed)
     return "\n".join(lines) + "\n"
 
@@ -282,6 +330,25 @@ def variant_lines(variants: dict) -> list[str]:
                 f"{_num(s['acceptance_rate'], '.1%')} | "
                 f"{_num(s['tokens_per_pass'], '.2f')} | {_identical(s)} |"
             )
+    return lines
+
+
+def _paired_lines(paired: dict | None) -> list[str]:
+    if not paired:
+        return []
+    lines = ["", f"## Paired with {paired['reference']}, prompt by prompt", "",
+             "Geometric mean over prompts of (method tok/s / reference tok/s), the same run, 95% bootstrap interval; "
+             "then over the prompts where both wrote the same text.", "",
+             "| method | vs reference | 95% interval | prompts | same text: vs reference | 95% interval | prompts |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+
+    def cells(c: dict, prefix: str = "") -> str:
+        ratio, low, high = c[prefix + "ratio"], c[prefix + "low"], c[prefix + "high"]
+        span = "n/a" if low is None else f"{low:.2f}-{high:.2f}"
+        return f"{_num(ratio, '.3f')}x | {span} | {c[prefix + 'prompts']}"
+
+    for method, c in paired["methods"].items():
+        lines.append(f"| {method} | {cells(c)} | {cells(c, 'same_text_')} |")
     return lines
 
 
@@ -343,3 +410,30 @@ def write_chart(path: Path, summary: dict, baseline: str, title: str) -> str | N
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return None
+
+
+# --------------------------------------------------------------------------- reading a run back
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m benchmarks.report results/RUN/bench.json [REFERENCE]`: the paired comparison of a finished run
+    (`paired_comparison`), against REFERENCE (default: the adapter's plan, `selfspec-plan`)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("bench", type=Path, help="a run's bench.json")
+    p.add_argument("reference", nargs="?", default=PAIRED_REFERENCE, help=f"default {PAIRED_REFERENCE}")
+    args = p.parse_args(argv)
+    data = json.loads(args.bench.read_text(encoding="utf-8"))
+    rows = [Row(**row) for row in data["rows"]]
+    methods = list(dict.fromkeys(r.method for r in rows))
+    if args.reference not in methods:
+        p.error(f"{args.reference!r} did not run here (methods: {', '.join(methods)})")
+    paired = {"reference": args.reference, "methods": {m: paired_comparison(rows, m, args.reference)
+                                                       for m in methods if m != args.reference}}
+    print("\n".join(_paired_lines(paired)).strip())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -14,6 +14,8 @@ from types import SimpleNamespace
 import torch
 
 from benchmarks import report
+import pytest
+
 from benchmarks.measure import Row
 
 VOCAB = 8
@@ -71,9 +73,46 @@ def test_table_counts_near_ties_beside_identical():
     assert "| 0/1 (+1 near-tie) |" in table and "| 1/1 |" in table
 
 
-# --------------------------------------------------------------------------- weight variants (benchmarks.run --variants)
+def _paired_rows(speeds: dict[str, list[float]], outputs: dict[str, list[list[int]]] | None = None) -> list[Row]:
+    """Rows of methods over prompts p0, p1, ...: `speeds[method][i]` tok/s on prompt i (10 tokens each)."""
+    rows = []
+    for method, values in speeds.items():
+        for i, tps in enumerate(values):
+            output = (outputs or {}).get(method, [[1, 2]] * len(values))[i]
+            rows.append(Row(method, f"p{i}", "c", 3, new_tokens=10, seconds=10 / tps, output=output))
+    return rows
 
-import pytest  # noqa: E402
+
+def test_the_paired_comparison_is_a_geometric_mean_of_per_prompt_ratios_with_its_interval():
+    rows = _paired_rows({"selfspec-plan": [10, 20, 40, 10], "fast": [20, 40, 80, 20], "mixed": [20, 10, 40, 10]},
+                        {"mixed": [[1, 2], [1, 2], [9], [1, 2]]})
+    fast = report.paired_comparison(rows, "fast", "selfspec-plan")
+    assert fast["prompts"] == 4 and abs(fast["ratio"] - 2.0) < 1e-12
+    assert abs(fast["low"] - 2.0) < 1e-12 and abs(fast["high"] - 2.0) < 1e-12  # the same ratio on every prompt
+    mixed = report.paired_comparison(rows, "mixed", "selfspec-plan")
+    assert abs(mixed["ratio"] - 1.0) < 1e-12  # 2x, 0.5x, 1x, 1x: the prompts weigh alike, not by their time
+    assert mixed["low"] < 1.0 < mixed["high"]
+    # Prompt p2's text differs: the same-text mean is over p0, p1, p3 only.
+    assert mixed["same_text_prompts"] == 3 and abs(mixed["same_text_ratio"] - 1.0) < 1e-12
+    assert report.paired_comparison(rows, "mixed", "selfspec-plan") == mixed  # a fixed seed: the same interval
+    summary = report.summarize(rows + _paired_rows({"hf-greedy": [5, 5, 5, 5]}),
+                               ["hf-greedy", "selfspec-plan", "fast", "mixed"], ["c"], "hf-greedy")
+    assert set(summary["paired"]["methods"]) == {"fast", "mixed"}
+    table = report.markdown({}, summary, rows, {}, {})
+    assert "## Paired with selfspec-plan" in table and "| fast | 2.000x | 2.00-2.00 | 4 | 2.000x | 2.00-2.00 | 4 |" in table
+
+
+def test_a_paired_comparison_reads_a_finished_run_back(tmp_path, capsys):
+    rows = _paired_rows({"selfspec-plan": [10, 20], "fast": [20, 40]})
+    path = tmp_path / "bench.json"
+    report.write_json(path, {}, {}, rows, {})
+    assert report.main([str(path)]) == 0
+    assert "| fast | 2.000x | 2.00-2.00 | 2 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        report.main([str(path), "nothing"])
+
+
+# --------------------------------------------------------------------------- weight variants (benchmarks.run --variants)
 
 from benchmarks import quantized, run  # noqa: E402
 from benchmarks.variants import (  # noqa: E402
