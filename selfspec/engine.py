@@ -65,12 +65,17 @@ STEPS = ("auto", "eager", "static", "graphs")
 GRAPH_CAPACITY_STEP = 256  # a kept graphed runner's capacity is a multiple of this
 
 
+# How the CPU's passes run (`wrap(kernels=...)`): the kernels measured fastest here, or transformers' own.
+KERNEL_CHOICES = ("measured", "transformers")
+
+
 def wrap(
     model,
     *,
     plan: DraftPlan | str | os.PathLike | dict | None = None,
     costs: PassCosts | str | None = None,
     step: str = "auto",
+    kernels: str = "measured",
 ) -> "SelfSpecModel":
     """Wrap a Hugging Face causal LM for self-speculative generation. The model is not modified.
 
@@ -86,9 +91,15 @@ def wrap(
     back per round (`static_loop.py`); "graphs": static, with every pass
     captured as a CUDA graph once and replayed (CUDA only); "auto": "graphs"
     on CUDA, "eager" elsewhere.
+    `kernels` (the CPU's): "measured", the attention and linear kernels
+    that run fastest here (`cpu_kernels.py`; the same sums in another order,
+    so a low-precision output may part from `model.generate`'s at a rounding
+    near-tie even with drafting off); "transformers", its own functions
+    throughout (drafting off then computes exactly what `model.generate` does).
     """
     adapter = adapter_for(model)
-    return SelfSpecModel(model, adapter=adapter, plan=_as_plan(plan, adapter, model.config), costs=costs, step=step)
+    return SelfSpecModel(model, adapter=adapter, plan=_as_plan(plan, adapter, model.config), costs=costs, step=step,
+                         kernels=kernels)
 
 
 def _as_plan(plan, adapter: Adapter, config) -> DraftPlan:
@@ -110,8 +121,12 @@ class SelfSpecModel:
     """A model wrapped for self-speculative decoding; `generate()` works as in transformers."""
 
     def __init__(
-        self, model, *, adapter: Adapter, plan: DraftPlan, costs: PassCosts | str | None = None, step: str = "auto"
+        self, model, *, adapter: Adapter, plan: DraftPlan, costs: PassCosts | str | None = None, step: str = "auto",
+        kernels: str = "measured",
     ) -> None:
+        if kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {', '.join(map(repr, KERNEL_CHOICES))}, got {kernels!r}")
+        self.kernel_choice = kernels
         self.model = model
         self.adapter = adapter
         self.parts: ModelParts = adapter.bind(model)
@@ -266,7 +281,7 @@ class SelfSpecModel:
     def linear_kernels(self) -> LinearKernels:
         """How the linear layers run their passes here (`cpu_kernels.py`): measured once per machine, model,
         dtype and thread count on the CPU (cached on disk with the cost tables); unchanged elsewhere."""
-        if self.parts.device.type != "cpu" or self.quantization is not None:
+        if self.parts.device.type != "cpu" or self.quantization is not None or self.kernel_choice == "transformers":
             return NO_CHANGE
         threads = torch.get_num_threads()
         if threads not in self.linear_choices:
@@ -283,7 +298,8 @@ class SelfSpecModel:
         """Which attention kernel the passes run here (`cpu_kernels.py`), by queries and cache entries: measured
         once per machine, model shape, dtype and thread count on the CPU under sdpa (cached on disk with the
         linear kernels); unchanged elsewhere."""
-        if self.parts.device.type != "cpu" or self.parts.attn_implementation != "sdpa":
+        if (self.parts.device.type != "cpu" or self.parts.attn_implementation != "sdpa"
+                or self.kernel_choice == "transformers"):
             return NO_ATTENTION_CHANGE
         threads = torch.get_num_threads()
         if threads not in self.attention_choices:

@@ -301,3 +301,19 @@ def test_the_kernels_are_measured_once_cached_apart_and_key_the_cost_tables(tmp_
     other = "float32" if attention(1, 64) != "float32" else "sdpa"
     again.attention_choices[torch.get_num_threads()] = AttentionKernels((1,), (64,), ((other,),))
     assert again._costs_key() != key
+
+
+def test_kernels_transformers_runs_transformers_own_functions_and_a_bad_choice_is_refused(tmp_path, monkeypatch):
+    """`wrap(kernels="transformers")` measures nothing and swaps nothing: drafting off then computes exactly what
+    `model.generate` computes. Any other value is a clear error."""
+    monkeypatch.setenv("SELFSPEC_COSTS_CACHE", str(tmp_path))
+    model = tiny_model("llama", dtype=torch.float32)
+    spec = selfspec.wrap(model, plan=selfspec.DraftPlan.plain(), kernels="transformers")
+    assert spec.linear_kernels() is NO_CHANGE and spec.attention_kernels() is NO_ATTENTION_CHANGE
+    prompt = random_prompt(9, seed=3)
+    assert torch.equal(spec.generate(prompt, max_new_tokens=12), model.generate(prompt, do_sample=False,
+                                                                                 max_new_tokens=12))
+    assert not (tmp_path / "kernels").exists()  # nothing was measured
+    assert selfspec.wrap(model).kernel_choice == "measured"
+    with pytest.raises(ValueError, match="kernels must be one of 'measured', 'transformers', got 'fast'"):
+        selfspec.wrap(model, kernels="fast")

@@ -86,15 +86,18 @@ def test_greedy_identical_to_generate_on_chat_prompts(smollm2):
 
 
 def test_plain_path_identical_in_bfloat16():
-    """bfloat16: the engine's plain path does exactly what model.generate does, token for token."""
+    """bfloat16: with transformers' kernels the engine's plain path does exactly what model.generate does, token
+    for token; with the kernels measured here (the same sums in another order) any difference is a near-tie."""
     skip_without_smollm2()
     model, tokenizer = selfspec.load("smollm2-135m-instruct", dtype="bfloat16", progress=False)
-    spec = selfspec.wrap(model, plan=selfspec.DraftPlan.plain())
+    exact = selfspec.wrap(model, plan=selfspec.DraftPlan.plain(), kernels="transformers")
+    measured = selfspec.wrap(model, plan=selfspec.DraftPlan.plain())
     for prompt in CHAT_PROMPTS[:3]:
         ids = chat_ids(tokenizer, prompt)
         with torch.no_grad():
             ref = model.generate(ids, max_new_tokens=32, do_sample=False)
-        assert torch.equal(spec.generate(ids, max_new_tokens=32), ref)
+        assert torch.equal(exact.generate(ids, max_new_tokens=32), ref)
+        assert_identical_or_near_tie(model, measured.generate(ids, max_new_tokens=32), ref, ids.shape[1])
 
 
 def test_train_head_command_end_to_end(smollm2, tmp_path):
