@@ -84,7 +84,8 @@ class BatchedKVCache:
     Buffers start zeroed (a masked key gets weight 0, and 0 x NaN is NaN).
     """
 
-    def __init__(self, num_layers: int, capacity: int, rows: int = 1) -> None:
+    def __init__(self, num_layers: int, capacity: int, windows=None, rows: int = 1) -> None:
+        # `windows` unused: a block's rows sit at different positions, so its masks hide what a window hides.
         self.capacity = capacity
         self.row_capacity = max(1, rows)
         self.keys: list[torch.Tensor | None] = [None] * num_layers

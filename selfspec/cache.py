@@ -6,6 +6,13 @@ entries. A write of q new positions goes to `[length, length + q)` and the
 layer attends to the view `[0, length + q)`. Layers have separate lengths
 because the draft writes only the layers it runs.
 
+A layer with a sliding window returns only the entries some query of the
+pass can see (from `first_query - window + 1` on, `visible_from`), as
+transformers' own sliding cache layers do: a decode step on such a layer
+then attends to `window` entries, not to the whole context. The runner sets
+`first_query`, the position of the pass's first query, and slices its masks
+alike. Nothing is dropped: the entries stay in the buffer.
+
 Rollback is `crop(length)`: it moves the length pointer and copies nothing, so
 rejecting drafted tokens costs O(1). Stale entries past the length are simply
 overwritten by the next write.
@@ -25,16 +32,24 @@ import torch
 class SharedKVCache:
     """Preallocated, position-indexed KV cache with O(1) rollback."""
 
-    def __init__(self, num_layers: int, capacity: int) -> None:
+    def __init__(self, num_layers: int, capacity: int, windows: list[int | None] | None = None) -> None:
         self.capacity = capacity
         self.lengths = [0] * num_layers
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.windows = list(windows) if windows is not None else [None] * num_layers  # per layer, or None
+        self.first_query = 0  # the position of the pass's first query (set by the runner)
+
+    def visible_from(self, layer_idx: int) -> int:
+        """The first entry a query of this pass can see on `layer_idx`: 0, or within its sliding window."""
+        window = self.windows[layer_idx]
+        return 0 if window is None else max(0, self.first_query - window + 1)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append `key_states`/`value_states` `[batch, kv_heads, q, head_dim]`; return all valid entries."""
+        """Append `key_states`/`value_states` `[batch, kv_heads, q, head_dim]`; return the valid entries from
+        `visible_from(layer_idx)` on."""
         start = self.lengths[layer_idx]
         end = start + key_states.shape[-2]
         if end > self.capacity:
@@ -48,7 +63,8 @@ class SharedKVCache:
         keys[:, :, start:end].copy_(key_states)
         values[:, :, start:end].copy_(value_states)
         self.lengths[layer_idx] = end
-        return keys[:, :, :end], values[:, :, :end]
+        first = self.visible_from(layer_idx)
+        return keys[:, :, first:end], values[:, :, first:end]
 
     def crop(self, length: int, layers: Iterable[int] | None = None) -> None:
         """Keep the first `length` positions of `layers` (all layers when None). O(1)."""
@@ -100,8 +116,8 @@ class StaticKVCache(SharedKVCache):
     still be NaN.
     """
 
-    def __init__(self, num_layers: int, capacity: int) -> None:
-        super().__init__(num_layers, capacity)
+    def __init__(self, num_layers: int, capacity: int, windows: list[int | None] | None = None) -> None:
+        super().__init__(num_layers, capacity, windows)  # its masks hide what a window hides: it returns all
         self.write_positions: torch.Tensor | None = None  # [q] int64, set by the runner
         self.span: int = capacity  # positions a layer attends to (set by the runner): all of them when captured
 

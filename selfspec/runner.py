@@ -15,6 +15,8 @@ The per-family mechanisms it applies, each as the adapter's `ModelParts` says:
   embeddings when it first receives that tensor, at the `start` it is given;
 - masks: causal, with a per-layer sliding window (key visible iff
   query - key < window, transformers' rule), bool for sdpa, additive for eager;
+  a windowed layer attends only to the entries its window can show this pass
+  (`SharedKVCache.visible_from`), and its mask covers those alone;
 - final-logit soft-capping (Gemma 2): cap * tanh(logits / cap).
 
 A trained exit head (`head.py`) is one more layer: index N (the model's layer
@@ -51,7 +53,7 @@ class LayerRunner:
             self.layers.append(head.layer)
             self.windows.append(self.windows[head.source_layer])
             self.rotary_kinds.append(self.rotary_kinds[head.source_layer])
-        self.cache = self.cache_class(len(self.layers), capacity)
+        self.cache = self.cache_class(len(self.layers), capacity, self.windows)
         self.positions = torch.arange(capacity, device=device)[None]  # [1, capacity]
         self.rotary = self.rotary_tables(self.positions)
 
@@ -120,6 +122,7 @@ class LayerRunner:
                 return self.mask(q, start, window)
             return self.tree_mask(tree, start, window, first_row, q)
 
+        self.cache.first_query = start  # no row sits before start: a window shows entries from start - window + 1
         return self.run_layers(hidden, layers, mask_for=mask_for, rotary=rotary, position_ids=position_ids,
                                probe=probe)
 
@@ -166,16 +169,19 @@ class LayerRunner:
         # Capped in the model's dtype, as the model's own forward does.
         return soft_cap(self.parts.lm_head(self.parts.norm(hidden))[0], cap).float()
 
+    @staticmethod
+    def first_visible(start: int, window: int | None) -> int:
+        """The first cache entry a pass whose rows sit at start.. attends to (`SharedKVCache.visible_from`)."""
+        return 0 if window is None else max(0, start - window + 1)
+
     def mask(self, q: int, start: int, window: int | None) -> torch.Tensor | None:
-        """Attention mask for q queries at start.. over start + q keys; None when nothing is hidden, or for a
-        prefill from position 0 under sdpa (see `causal_prefill`)."""
+        """Attention mask for q queries at start.. over the keys first_visible..start + q; None when nothing is
+        hidden (one query), or for a prefill from position 0 under sdpa (see `causal_prefill`)."""
         kv = start + q
-        if q == 1 and (window is None or kv <= window):
-            return None
-        if self.causal_prefill(start, q, window):
+        if q == 1 or self.causal_prefill(start, q, window):
             return None
         query_pos = self.positions[0, start:kv, None]  # [q, 1]
-        key_pos = self.positions[0, None, :kv]  # [1, kv]
+        key_pos = self.positions[0, None, self.first_visible(start, window):kv]  # [1, kv - first_visible]
         allowed = key_pos <= query_pos  # [q, kv]
         if window is not None:
             allowed &= key_pos > query_pos - window
@@ -183,8 +189,9 @@ class LayerRunner:
 
     def tree_mask(self, tree: TokenTree, start: int, window: int | None, first_row: int = 0,
                   q: int | None = None) -> torch.Tensor:
-        """`[1, 1, q, start+first_row+q]` mask for a tree's rows first_row..first_row+q-1 (default: all n+1
-        rows): each sees the prefix, then its ancestors and itself."""
+        """`[1, 1, q, start+first_row+q - first_visible]` mask for a tree's rows first_row..first_row+q-1
+        (default: all n+1 rows) over the keys from `first_visible(start, window)`: each sees the prefix, then its
+        ancestors and itself."""
         device = self.positions.device
         end = len(tree) + 1 if q is None else first_row + q
         visible = tree.visibility()[first_row:end, :end].to(device)  # [q, first_row + q]
@@ -193,7 +200,7 @@ class LayerRunner:
             query_pos = self.row_positions(start, len(visible), tree, first_row)  # [q]
             key_pos = torch.cat([self.positions[0, :start], self.row_positions(start, end, tree)])  # [start+end]
             allowed &= key_pos[None] > query_pos[:, None] - window
-        return self.as_mask(allowed)
+        return self.as_mask(allowed[:, self.first_visible(start, window):])
 
     def as_mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """`[1, 1, q, kv]` mask in the form the attention takes: bool for sdpa, additive for eager."""

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 import selfspec
 from selfspec.adapter import Adapter
+from selfspec.cache import SharedKVCache
 from selfspec.registry import adapter_for, all_adapters, supported_model_types
 from selfspec.generic import GenericAdapterWarning, self_check
 from plan_strategies import assert_same, plans
@@ -127,6 +128,36 @@ def test_prompt_longer_than_the_sliding_window(arch):
         selfspec.DraftPlan(layers=sorted({0, *global_layers} if global_layers else {0, num_layers - 1}), draft_length=3, policy="fixed"),
     ):
         assert_same(selfspec.wrap(model, plan=plan).generate(prompt, max_new_tokens=30), ref, plan)
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if has_window(a)])
+def test_windowed_layers_attend_only_to_the_entries_their_window_shows(arch, monkeypatch):
+    """As transformers' own sliding cache layers: a windowed layer gets the entries from its pass's first
+    query - window + 1 on (a one-token step: `window` entries), not the whole context; chains, trees and n-gram
+    proposals stay equal to `model.generate`. Global layers get every entry."""
+    seen = []  # (window, new entries, entries returned, entries held, first query)
+    real = SharedKVCache.update
+
+    def spy(self, key, value, layer_idx, *args, **kwargs):
+        keys, values = real(self, key, value, layer_idx, *args, **kwargs)
+        seen.append((self.windows[layer_idx], key.shape[-2], keys.shape[-2], self.lengths[layer_idx],
+                     self.first_query))
+        return keys, values
+
+    monkeypatch.setattr(SharedKVCache, "update", spy)
+    model = model_for(arch)
+    num_layers = model.config.get_text_config().num_hidden_layers
+    prompt = random_prompt(27, seed=5)
+    ref = model.generate(prompt, do_sample=False, max_new_tokens=30)
+    for plan in (selfspec.DraftPlan.plain(),
+                 selfspec.DraftPlan(layers=tuple(range(num_layers // 2)), draft_length=4, ngram=2, tree=6,
+                                    policy="fixed")):
+        assert_same(selfspec.wrap(model, plan=plan).generate(prompt, max_new_tokens=30), ref, plan)
+    windowed = [s for s in seen if s[0] is not None]
+    assert windowed and all(s[2] == s[3] for s in seen if s[0] is None)
+    assert all(returned == held - max(0, first - window + 1) for window, _, returned, held, first in windowed)
+    steps = [s for s in windowed if s[1] == 1 and s[3] > s[0]]  # one-token steps past the window
+    assert steps and all(returned == window for window, _, returned, _, _ in steps)
 
 
 def test_layouts_read_from_the_config():
