@@ -100,12 +100,21 @@ def aggregate(rows: list[Row]) -> dict:
         "median_tokens_per_second": statistics.median(r.tokens_per_second for r in ok) if ok else None,
         "tokens_per_pass": _ratio(ok, "new_tokens", "verify_passes"),
         "acceptance_rate": _ratio(ok, "accepted", "drafted"),
+        "tokens_per_step_read": _tokens_per_step_read(ok),
         "draft_ms_per_token": _draft_ms_per_token(ok),
         "identical": sum(1 for r in compared if r.identical),
         "near_ties": sum(1 for r in compared if r.near_tie),
         "compared": len(compared),
         "timed_peak_bytes": max((r.peak_bytes for r in ok if r.peak_bytes is not None), default=None),
     }
+
+
+def _tokens_per_step_read(rows: list[Row]) -> float | None:
+    """selfspec's new tokens per plain step of weights read (`GenerationStats.steps_read`): its speed over plain
+    decoding where a pass costs what it reads (a projection, machine-free); None for others."""
+    if not rows or any(not r.details.get("steps_read") for r in rows):
+        return None
+    return sum(r.new_tokens for r in rows) / sum(r.details["steps_read"] for r in rows)
 
 
 def _draft_ms_per_token(rows: list[Row]) -> float | None:
@@ -265,17 +274,21 @@ def markdown(
     lines += [f"- **{key}**: {value}" for key, value in header.items() if not isinstance(value, (dict, list))]
     lines += ["", "## Per method", ""]
     lines += [
-        "| method | tok/s | speedup | median prompt speedup | tokens/pass | acceptance | draft ms/token | identical | "
-        "peak MiB | working MiB | what it runs |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| method | tok/s | speedup | median prompt speedup | tokens/pass | tokens/step read | acceptance | "
+        "draft ms/token | identical | peak MiB | working MiB | what it runs |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for method, s in summary["overall"].items():
         lines.append(
             f"| {method} | {_num(s['tokens_per_second'], '.1f')} | {_num(s['speedup'], '.2f')}x | "
             f"{_num(s['median_prompt_speedup'], '.2f')}x | {_num(s['tokens_per_pass'], '.2f')} | "
+            f"{_num(s['tokens_per_step_read'], '.2f')} | "
             f"{_num(s['acceptance_rate'], '.1%')} | {_num(s['draft_ms_per_token'], '.1f')} | {_identical(s)} | "
             f"{_mib(s['memory_peak_bytes'])} | {_mib(s['memory_increase_bytes'])} | {descriptions.get(method, '')} |"
         )
+    lines += ["", "tokens/step read: new tokens per plain step of weights the passes read (layers, LM head, draft "
+              "vocabulary rows; selfspec only): the speed over plain decoding on a machine where a pass costs what "
+              "it reads, wide or narrow. A projection, not a timing."]
     if variants:
         lines += variant_lines(variants)
     methods = list(summary["overall"])

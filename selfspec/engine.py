@@ -481,6 +481,7 @@ class SelfSpecModel:
         policy = self._policy(settings)  # first: measuring the costs (once) uses a runner of its own
         capacity = len(prompt) + settings.max_new_tokens + self.max_width  # room for the widest verify pass
         runner = self._runner(capacity)
+        runner.weights_read = 0  # a kept (graphed) runner counted the generations before
         auto = None
         if self.plan.auto and isinstance(policy, CostPolicy):  # the prefill reports every layer's change to it
             weights, head = self.layer_weights
@@ -518,6 +519,8 @@ class SelfSpecModel:
 
         stats.new_tokens = len(out.tokens) - len(prompt)
         stats.total_seconds = clock.total()
+        plain_step = sum(runner.layer_bytes[: self.parts.num_layers]) + runner.head_bytes  # every layer, the head
+        stats.steps_read = runner.weights_read / plain_step
         if isinstance(policy, CostPolicy) and policy.costs.learn:  # the next process starts from what was learned
             save_costs(costs_cache_dir(), self._costs_key(), policy.costs.refined())
         stats.policy = policy.describe()

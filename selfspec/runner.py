@@ -23,8 +23,11 @@ A trained exit head (`head.py`) is one more layer: index N (the model's layer
 count) in `layers` and in the cache, with the window and rotary kind of the
 layer it was copied from.
 
-It knows positions, masks and the layer calling convention the parts name;
-it does not know plans, acceptance or sampling.
+It counts the weights its passes read (`weights_read`, bytes: a layer's
+each time a pass runs it, the LM head's, or a draft vocabulary's rows, each
+time logits are computed), so a generation can say what it read in plain
+steps. It knows positions, masks and the layer calling convention the parts
+name; it does not know plans, acceptance or sampling.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from .cache import SharedKVCache
+from .memory import parameter_bytes
 from .parts import ModelParts, soft_cap
 from .tree import TokenTree
 from .vocab import DraftVocab
@@ -54,6 +58,10 @@ class LayerRunner:
             self.windows.append(self.windows[head.source_layer])
             self.rotary_kinds.append(self.rotary_kinds[head.source_layer])
         self.cache = self.cache_class(len(self.layers), capacity, self.windows)
+        self.layer_bytes = [parameter_bytes([layer]) for layer in self.layers]  # per layer (an exit head's: N)
+        self.head_bytes = parameter_bytes([parts.lm_head, parts.norm])
+        self.weights_read = 0  # bytes of weights the passes read since the last reset (what a pass costs where
+        # its width is free: a memory-bound machine)
         self.positions = torch.arange(capacity, device=device)[None]  # [1, capacity]
         self.rotary = self.rotary_tables(self.positions)
 
@@ -123,6 +131,7 @@ class LayerRunner:
             return self.tree_mask(tree, start, window, first_row, q)
 
         self.cache.first_query = start  # no row sits before start: a window shows entries from start - window + 1
+        self.weights_read += sum(self.layer_bytes[i] for i in layers)
         return self.run_layers(hidden, layers, mask_for=mask_for, rotary=rotary, position_ids=position_ids,
                                probe=probe)
 
@@ -165,7 +174,9 @@ class LayerRunner:
         """
         cap = self.parts.logit_softcap
         if vocab is not None:
+            self.weights_read += vocab.weight.numel() * vocab.weight.element_size()
             return vocab.logits(self.parts.norm(hidden), cap)
+        self.weights_read += self.head_bytes
         # Capped in the model's dtype, as the model's own forward does.
         return soft_cap(self.parts.lm_head(self.parts.norm(hidden))[0], cap).float()
 

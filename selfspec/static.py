@@ -89,6 +89,7 @@ class StaticRunner(LayerRunner):
         width = bucket(q, self.largest)
         if width > q:
             hidden = F.pad(hidden, (0, 0, 0, width - q))  # [1, width, hidden], zero rows after the real ones
+        self.weights_read += sum(self.layer_bytes[i] for i in layers)
         real_rows = None if probe is None else (lambda i, before, after: probe(i, before[:, :q], after[:, :q]))
         out = self.fixed_pass(hidden, layers, start, self.tree_rows(tree, start, width), probe=real_rows)  # [1, width, hidden]
         for i in layers:

@@ -6,7 +6,13 @@ Counting rules (the words are those of the README's "How it works"):
   exactly 1.00 tokens per pass;
 - `accepted_lengths[n]` counts the rounds that accepted n drafted tokens;
 - emitted tokens stop at EOS, a stopping criterion or `max_new_tokens`, so a
-  round may emit fewer tokens than it verified.
+  round may emit fewer tokens than it verified;
+- `steps_read` is the weights the passes read (layers, LM head, draft
+  vocabulary rows), in plain steps: plain decoding reads exactly one per
+  token, the prefill included. `tokens_per_step_read` is then the speed over
+  plain decoding on a machine where a pass costs only the weights it reads
+  (memory-bound: a wide pass as cheap as a narrow one; attention and the
+  engine's own work left out). It is a projection, not a timing.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ class GenerationStats:
     step: str = ""  # how passes ran: "eager", "static", or CUDA graphs (with how many, and their capture time)
     capture_seconds: float = 0.0  # CUDA graph capture in this call (0 once the graphs exist)
     layer_sets: str = ""  # an auto plan: the layer sets it drafted with, and the round each began at
+    steps_read: float = 0.0  # the weights every pass read, in plain steps (one reads each layer and the LM head)
 
     @property
     def acceptance_rate(self) -> float:
@@ -65,6 +72,12 @@ class GenerationStats:
     def tokens_per_pass(self) -> float:
         """Emitted tokens per full forward pass (tau); 1.00 for plain decoding."""
         return self.new_tokens / self.verify_passes if self.verify_passes else 0.0
+
+    @property
+    def tokens_per_step_read(self) -> float:
+        """Emitted tokens per plain step of weights read: the speed over plain decoding where a pass costs what it
+        reads (a projection; 1.00 for plain decoding)."""
+        return self.new_tokens / self.steps_read if self.steps_read else 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -110,6 +123,7 @@ class GenerationStats:
         data.update(
             acceptance_rate=self.acceptance_rate,
             tokens_per_pass=self.tokens_per_pass,
+            tokens_per_step_read=self.tokens_per_step_read,
             tokens_per_second=self.tokens_per_second,
         )
         return data
@@ -121,6 +135,11 @@ class GenerationStats:
             f"verify passes {self.verify_passes} (rounds {self.rounds} + prefill; "
             f"{self.rounds_without_draft} rounds without a draft), "
             f"tokens per pass {self.tokens_per_pass:.2f}",
+            *(
+                [f"weights read: {self.steps_read:.1f} plain steps, {self.tokens_per_step_read:.2f} tokens per step "
+                 f"read (the speed over plain where a pass costs what it reads: a projection)"]
+                if self.steps_read else []
+            ),
             f"drafted {self.drafted}, accepted {self.accepted}, acceptance rate {self.acceptance_rate:.1%}",
             f"drafted length histogram: {self.drafted_lengths}; accepted length histogram: {self.accepted_lengths}",
             *(

@@ -73,6 +73,17 @@ def test_table_counts_near_ties_beside_identical():
     assert "| 0/1 (+1 near-tie) |" in table and "| 1/1 |" in table
 
 
+def test_tokens_per_step_read_sums_over_prompts_and_reads_na_for_other_methods():
+    rows = [Row("hf-greedy", p, "c", 3, output=[1], seconds=1.0, new_tokens=10) for p in "ab"]
+    rows += [Row("selfspec-plan", "a", "c", 3, output=[1], seconds=1.0, new_tokens=10, details={"steps_read": 4.0}),
+             Row("selfspec-plan", "b", "c", 3, output=[1], seconds=1.0, new_tokens=30, details={"steps_read": 16.0})]
+    summary = report.summarize(rows, ["hf-greedy", "selfspec-plan"], ["c"], "hf-greedy")
+    assert summary["overall"]["selfspec-plan"]["tokens_per_step_read"] == pytest.approx(40 / 20)
+    assert summary["overall"]["hf-greedy"]["tokens_per_step_read"] is None
+    table = report.markdown({}, summary, rows, {}, {})
+    assert "| 2.00x | 1.00x | n/a | 2.00 | n/a |" in table and "| tokens/pass | tokens/step read |" in table
+
+
 def _paired_rows(speeds: dict[str, list[float]], outputs: dict[str, list[list[int]]] | None = None) -> list[Row]:
     """Rows of methods over prompts p0, p1, ...: `speeds[method][i]` tok/s on prompt i (10 tokens each)."""
     rows = []

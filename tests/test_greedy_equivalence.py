@@ -71,14 +71,36 @@ def test_full_depth_draft_accepts_everything():
     assert_same(out, reference(model, random_prompt(5), max_new_tokens=31), spec.plan)
     assert spec.last_stats.acceptance_rate == 1.0
     assert spec.last_stats.tokens_per_pass == pytest.approx(31 / 6)  # prefill + 5 rounds of 6 tokens
+    # ... and it reads what plain decoding reads: per round 5 draft steps, then the last one's tail, each a step
+    assert spec.last_stats.steps_read == pytest.approx(31) and spec.last_stats.tokens_per_step_read == 1.0
 
 
-def test_plain_path_is_one_token_per_pass():
+@pytest.mark.parametrize("step", ["eager", "static"])
+def test_plain_path_is_one_token_per_pass_and_reads_one_step_per_token(step):
     model = tiny_model("llama")
-    spec = selfspec.wrap(model, plan=selfspec.DraftPlan.plain())
+    spec = selfspec.wrap(model, plan=selfspec.DraftPlan.plain(), step=step)
     prompt = random_prompt(6)
-    assert_same(spec.generate(prompt, max_new_tokens=20), reference(model, prompt, max_new_tokens=20), spec.plan)
-    assert spec.last_stats.tokens_per_pass == 1.0 and spec.last_stats.drafted == 0
+    for _ in range(2):  # the count starts afresh with each generation
+        assert_same(spec.generate(prompt, max_new_tokens=20), reference(model, prompt, max_new_tokens=20), spec.plan)
+        stats = spec.last_stats
+        assert stats.tokens_per_pass == 1.0 and stats.drafted == 0
+        assert stats.steps_read == pytest.approx(20) and stats.tokens_per_step_read == pytest.approx(1.0)
+        assert "20.0 plain steps, 1.00 tokens per step read" in str(stats)
+
+
+def test_a_shallow_draft_reads_less_than_plain_per_token_when_it_is_accepted():
+    """An early exit at half depth that the target always accepts (its later layers zeroed: they add nothing)
+    reads about half a step per drafted token: more tokens per step read than plain decoding."""
+    model = tiny_model("llama")
+    for layer in model.model.layers[3:]:
+        for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            torch.nn.init.zeros_(linear.weight)
+    spec = selfspec.wrap(model, plan=selfspec.DraftPlan(exit_layer=3, draft_length=4, policy="fixed"))
+    prompt = random_prompt(6)
+    assert_same(spec.generate(prompt, max_new_tokens=21), reference(model, prompt, max_new_tokens=21), spec.plan)
+    stats = spec.last_stats
+    assert stats.acceptance_rate == 1.0 and stats.tokens_per_pass == pytest.approx(21 / 5)
+    assert 1.4 < stats.tokens_per_step_read < stats.tokens_per_pass
 
 
 class StopAfterToken(StoppingCriteria):
