@@ -44,7 +44,7 @@ from .cpu_kernels import (NO_ATTENTION_CHANGE, NO_CHANGE, AttentionKernels, Line
 from .draft import Draft, Drafter
 from .head import ExitHead, load_head
 from .hf_generation import GenerationSettings, resolve_settings
-from .memory import MemoryReport, memory_report
+from .memory import MemoryReport, memory_report, parameter_bytes, tensor_bytes
 from .output import Clock, Output
 from .parts import ModelParts, text_config
 from .passes import TargetPasses
@@ -213,8 +213,24 @@ class SelfSpecModel:
             return costs
         if isinstance(costs, str):
             return PassCosts.profile(costs, max_width=self.max_width, num_layers=self.parts.num_layers,
-                                     draft_fraction=len(self.drafter.draft_layers) / self.parts.num_layers)
+                                     draft_fraction=self.draft_read_fraction())
         raise ValueError(f"costs must be None, a PassCosts table or a profile name ('linear', 'flat'), got {costs!r}")
+
+    def draft_read_fraction(self) -> float:
+        """The weights one drafted token reads, in plain steps: its layers (an exit head's included) and the LM
+        head, or the draft vocabulary's rows (a profile's draft price: where a pass costs what it reads).
+
+        Gemma 3 270M's LM head is 63% of a plain step's weights, so half its layers read 0.81 of a step, not 0.5.
+        """
+        if not self.drafter.has_layers:
+            return 0.0  # n-gram and recycled drafts run nothing
+        layers, head = layer_weights(self.parts)  # bytes per layer; the LM head with the final norm
+        plain = sum(layers) + head
+        if self.head is not None:
+            layers.append(float(parameter_bytes([self.head.layer])))
+        drafted = sum(layers[i] for i in (*self.drafter.prefix_layers, *self.drafter.other_layers))
+        rows = head if self.vocab is None else float(tensor_bytes(self.vocab.weight))
+        return (drafted + rows) / plain
 
     def measure_costs(self, *, cached: bool = True, repeats: int = 3) -> PassCosts:
         """Time the passes this plan uses here (see `costs.py`); `cached=False` measures afresh."""

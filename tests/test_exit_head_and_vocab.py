@@ -151,3 +151,31 @@ def test_plan_file_resolves_artifacts_beside_it(tmp_path):
     assert spec.head is not None and spec.vocab.size == 30
     prompt = random_prompt(5)
     assert_same(spec.generate(prompt, max_new_tokens=12), reference(model, prompt, 12), spec.plan)
+
+
+def test_a_profiles_draft_step_costs_what_a_drafted_token_reads(tmp_path):
+    """Under a cost profile (where a pass costs what it reads) a drafted token costs its layers, an exit head's
+    layer and the LM head rows it reads, as the runner counts them; n-gram and recycled drafts cost nothing."""
+    from selfspec.runner import LayerRunner
+
+    model = tiny_model("llama")
+    head = make_head(model, tmp_path / "head", exit_layer=2)
+    vocab = make_vocab(model, tmp_path / "vocab")
+    plans = [
+        selfspec.DraftPlan(layers=[0, 2, 5]),
+        selfspec.DraftPlan(exit_layer=2, head=str(head)),
+        selfspec.DraftPlan(exit_layer=4, draft_vocab=str(vocab), draft_vocab_size=20),
+        selfspec.DraftPlan(exit_layer=4),
+    ]
+    fractions = []
+    for plan in plans:
+        spec = selfspec.wrap(model, plan=plan, costs="flat")
+        runner = LayerRunner(spec.parts, capacity=4, head=spec.head)
+        spec.drafter.step(runner, 1, 0)
+        plain = sum(runner.layer_bytes[: spec.parts.num_layers]) + runner.head_bytes
+        fractions.append(runner.weights_read / plain)
+        assert spec.costs.draft_step == pytest.approx(fractions[-1]), plan
+        if spec.vocab is None:  # the whole LM head is read, so more than the layers' share of a step
+            assert spec.costs.draft_step > len(spec.drafter.draft_layers) / spec.parts.num_layers
+    assert fractions[2] < fractions[3]  # 20 vocabulary rows read less than the whole head
+    assert selfspec.wrap(model, plan=selfspec.DraftPlan(ngram=3, tree=8, recycle=True), costs="flat").costs.draft_step == 0
