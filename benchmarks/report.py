@@ -117,6 +117,25 @@ def _tokens_per_step_read(rows: list[Row]) -> float | None:
     return sum(r.new_tokens for r in rows) / sum(r.details["steps_read"] for r in rows)
 
 
+def pass_profile(rows: list[Row]) -> dict | None:
+    """What a selfspec method's passes were, to project its speed under other pass costs (`benchmarks.gpu_check`):
+    new tokens, verify passes by width (drafted nodes + 1; the prefill apart) and plain steps of weights read
+    (the prefill's, the verify passes' and the layer drafts'). None for methods without those stats."""
+    ok = [r for r in rows if r.error is None]
+    if not ok or any("drafted_lengths" not in r.details or not r.details.get("steps_read") for r in ok):
+        return None
+    widths: dict[int, int] = {}
+    for r in ok:
+        for drafted, rounds in enumerate(r.details["drafted_lengths"]):
+            if rounds:
+                widths[drafted + 1] = widths.get(drafted + 1, 0) + rounds
+    tokens = sum(r.new_tokens for r in ok)
+    return {"prompts": len(ok), "new_tokens": tokens, "rounds": sum(widths.values()),
+            "tokens_per_pass": tokens / (sum(widths.values()) + len(ok)),
+            "steps_read": sum(r.details["steps_read"] for r in ok),
+            "widths": {str(q): widths[q] for q in sorted(widths)}}
+
+
 def _draft_ms_per_token(rows: list[Row]) -> float | None:
     """selfspec's draft time per drafted token (n-gram copies included), from its stats; None for others."""
     if not rows or any("draft_seconds" not in r.details for r in rows):
@@ -436,10 +455,22 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("bench", type=Path, help="a run's bench.json")
     p.add_argument("reference", nargs="?", default=PAIRED_REFERENCE, help=f"default {PAIRED_REFERENCE}")
+    p.add_argument("--passes-out", type=Path, help="also write each selfspec method's passes by width here "
+                   "(`pass_profile`; what `benchmarks.gpu_check` projects GPU speeds from)")
     args = p.parse_args(argv)
     data = json.loads(args.bench.read_text(encoding="utf-8"))
     rows = [Row(**row) for row in data["rows"]]
     methods = list(dict.fromkeys(r.method for r in rows))
+    if args.passes_out:
+        profiles = {m: pass_profile([r for r in rows if r.method == m]) for m in methods}
+        header = {k: data["header"].get(k) for k in ("command", "date", "machine", "cpu capability", "model", "dtype",
+                                                      "prompts", "max new tokens", "pass costs")}
+        described = {m: data["methods"].get(m, {}).get("describe") for m in profiles if profiles[m]}
+        args.passes_out.write_text(json.dumps({
+            "what": "per method: verify passes by width and weights read, measured on a CPU (see header)",
+            "header": header, "describe": described,
+            "methods": {m: profile for m, profile in profiles.items() if profile}}, indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {args.passes_out}")
     if args.reference not in methods:
         p.error(f"{args.reference!r} did not run here (methods: {', '.join(methods)})")
     paired = {"reference": args.reference, "methods": {m: paired_comparison(rows, m, args.reference)

@@ -69,3 +69,45 @@ def test_each_source_gets_its_own_length(tmp_path, monkeypatch, capsys):
     gpu_check.projection(measured({1: 1.0, 29: 1.0}, {2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0}))
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("PROJECTION p:"))
     assert "k=4 for n-gram rounds, k=0 for layer rounds, 3.00 tokens per pass, 3.00x" in line
+
+
+def write_passes(tmp_path, methods: dict) -> None:
+    header = {"command": "test", "cpu capability": "test"}
+    (tmp_path / "flat_passes_smollm2.json").write_text(json.dumps({"header": header, "methods": methods}))
+
+
+def passes(tokens: int, widths: dict, steps_read: float, prompts: int = 1) -> dict:
+    rounds = sum(widths.values())
+    return {"prompts": prompts, "new_tokens": tokens, "rounds": rounds, "tokens_per_pass": tokens / (rounds + prompts),
+            "steps_read": steps_read, "widths": {str(q): n for q, n in widths.items()}}
+
+
+def test_pass_projection_prices_each_width_at_its_bucket_and_drafts_at_what_they_read(tmp_path, monkeypatch, capsys):
+    """A tree plan: 9 rounds of 17 wide (bucket 32 at 1.5 steps) emitting 40 tokens with the prefill's: 40 / (1 +
+    13.5) = 2.76x the plain path, x4 against model.generate. A layer plan: 10 rounds of 3 wide (bucket 4, 1.0)
+    and 10 steps read beyond its passes, at 0.5 of a step per step read (a 15-of-30-layer draft costs 0.25): 31 /
+    (1 + 10 + 5) = 1.94x."""
+    monkeypatch.setattr(gpu_check, "DATA", tmp_path)
+    write_passes(tmp_path, {"tree": passes(40, {17: 9}, steps_read=10.0),
+                            "layers": passes(31, {3: 10}, steps_read=21.0)})
+    gpu = measured({15: 0.25}, {2: 1.0, 4: 1.0, 8: 1.2, 16: 1.4, 32: 1.5})
+    gpu["SmolLM2-135M"]["per_token"] = {"model.generate": 4.0, f"selfspec plain {FAST}": 1.0}
+    gpu_check.pass_projection(gpu)
+    lines = {line.split(":")[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert f"2.76x selfspec plain {FAST}, 11.03x model.generate" in lines["PASS PROJECTION tree"]
+    assert f"1.94x selfspec plain {FAST}, 7.75x model.generate" in lines["PASS PROJECTION layers"]
+
+
+def test_pass_profile_counts_verify_passes_by_width():
+    from benchmarks.measure import Row
+    from benchmarks.report import pass_profile
+
+    def row(lengths, steps_read, tokens):
+        details = {"drafted_lengths": lengths, "steps_read": steps_read}
+        return Row("m", "p", "c", 5, output=[1], seconds=1.0, new_tokens=tokens, verify_passes=sum(lengths) + 1,
+                   details=details)
+
+    profile = pass_profile([row([2, 0, 3], 6.0, 9), row([1, 0, 0, 0, 4], 6.5, 12)])
+    assert profile["widths"] == {"1": 3, "3": 3, "5": 4} and profile["rounds"] == 10 and profile["prompts"] == 2
+    assert profile["tokens_per_pass"] == pytest.approx(21 / 12) and profile["steps_read"] == 12.5
+    assert pass_profile([Row("hf-greedy", "p", "c", 5, output=[1], seconds=1.0, new_tokens=3)]) is None
