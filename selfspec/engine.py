@@ -56,7 +56,7 @@ from .registry import adapter_for
 from .runner import LayerRunner
 from .scoring import Scorer
 from .static import GraphedRunner, StaticRunner
-from .static_loop import run_static_rounds
+from .static_loop import record_tree_round, run_static_rounds
 from .stats import BatchStats, GenerationStats
 from .tree import accept_tree_greedy, accept_tree_sampling
 from .vocab import DraftVocab, load_vocab
@@ -525,7 +525,7 @@ class SelfSpecModel:
         else:
             run_static_rounds(runner=runner, drafter=self.drafter, passes=self.passes, policy=policy, scorer=scorer,
                               out=out, stats=stats, draft_length=self.plan.draft_length, generator=generator,
-                              auto=auto)
+                              auto=auto, successors=successors)
         self.passes.probe = None
         if auto is not None:
             stats.layer_sets = auto.describe()
@@ -599,17 +599,7 @@ class SelfSpecModel:
         self.passes.keep_tree_path(runner, checked, tree, path, start)
         verify_seconds = clock.lap()
         out.emit(tree.path_tokens(path) + [next_token])
-        first_recycled = len(tree) - len(draft.recycled)  # the tree's last nodes are the recycled ones
-        recycled_kept = sum(node >= first_recycled for node in path)
-        if draft.recycled:
-            policy.observe_recycled(predicted=sum(draft.recycled), accepted=recycled_kept)
-        stats.record_round(drafted=len(tree), accepted=len(path), draft_seconds=draft_seconds,
-                           verify_seconds=verify_seconds, source=f"{draft.source} tree",
-                           recycled=(len(draft.recycled), recycled_kept))
-        # An n-gram tree teaches the policy how far its first path (the chain it would have verified) was kept; a
-        # layer tree, how deep its kept path went (its confidences are the share of probability each level kept).
-        kept = len(path) if draft.source == "layers" else tree.first_path_kept(path)
-        policy.observe(draft, kept, draft_seconds=draft_seconds, verify_seconds=verify_seconds, width=len(tree) + 1)
+        record_tree_round(policy, stats, draft, path, draft_seconds=draft_seconds, verify_seconds=verify_seconds)
 
     def _check_prompts(self, input_ids, attention_mask) -> list[list[int]]:
         """Each row's prompt, its left padding removed; a clear error for anything else."""

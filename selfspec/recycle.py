@@ -51,8 +51,13 @@ class SuccessorTable:
     def record(self, contexts: list[tuple[int | None, int]], scores: torch.Tensor) -> None:
         """Row r of `scores` `[rows, vocab]` (the target's scores after the row) follows `contexts[r]`:
         (the token before the row's, or None at the start; the row's token)."""
-        top_p, top_t = top_k(torch.softmax(scores.float(), dim=-1), TOP)  # [rows, TOP]
-        for (previous, token), tokens, probs in zip(contexts, top_t.tolist(), top_p.tolist()):
+        top_p, top_t = top_successors(scores)  # [rows, TOP]
+        self.record_top(contexts, top_t.tolist(), top_p.tolist())
+
+    def record_top(self, contexts: list[tuple[int | None, int]], top_tokens: list[list[int]],
+                   top_probs: list[list[float]]) -> None:
+        """`record` with each row's top tokens and probabilities already read (`top_successors`, on the host)."""
+        for (previous, token), tokens, probs in zip(contexts, top_tokens, top_probs):
             entry = (tuple(tokens), tuple(probs))
             self.by_token[token] = entry
             if previous is not None:
@@ -110,6 +115,12 @@ class SuccessorTable:
             values.append(-negative)
             expand(len(tokens) - 1, -negative)
         return TokenTree(tuple(tokens), tuple(parents)), values
+
+
+def top_successors(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of `scores` `[rows, vocab]`, the `TOP` likeliest next tokens' probabilities and ids, `[rows, TOP]`
+    each, where `scores` lives (the static step reads them back with its round's other values)."""
+    return top_k(torch.softmax(scores.float(), dim=-1), TOP)
 
 
 def top_k(values: torch.Tensor, k: int, *, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,10 @@ confidences reach the policy with that read, to learn from.
 Times come from CUDA events on a GPU (recording one does not wait), and from
 the host clock on a CPU (where every operation has finished when it returns).
 
+A recycled-draft plan (`recycle.py`) grows its trees on the host from the
+successor table, as the eager loop does; the top tokens of every verified
+row come back with the round's one read and are recorded then.
+
 This module does not know shapes or graphs (`static.py`), nor the acceptance
 rule itself (`acceptance.py`).
 """
@@ -24,6 +28,7 @@ import torch
 from .acceptance import accept_greedy_on_device, accept_sampling_on_device
 from .draft import Draft, Drafter
 from .passes import TargetPasses
+from .recycle import SuccessorTable, chain_contexts, top_successors, tree_contexts
 from .scoring import Scorer
 from .stats import GenerationStats
 from .tree import accept_tree_greedy_on_device, accept_tree_sampling_on_device
@@ -59,10 +64,12 @@ def run_static_rounds(
     draft_length: int,
     generator: torch.Generator | None,
     auto=None,
+    successors: SuccessorTable | None = None,
 ) -> None:
     """Decode until `out` is done; `out.tokens` ends with a token that is not in the cache yet.
 
     `auto`: an auto plan's layer choice (`auto_layers.AutoLayers`), or None.
+    `successors`: a recycled-draft plan's table (`recycle.py`), or None.
     """
     device = runner.positions.device
     clock = RoundClock(device)
@@ -75,10 +82,14 @@ def run_static_rounds(
         # Logits processors that read earlier tokens get them on the device (none: nothing is copied).
         history = torch.tensor(out.tokens, device=device) if scorer.processors else None  # [n]
         began = clock.mark()
-        # 1. draft: an n-gram match (decided on the host: it is free), else the plan's layers
+        # 1. draft: an n-gram match and recycled predictions (decided on the host: they are free), else the layers
         copied = drafter.ngram_draft(out.tokens, policy, scorer, runner.parts.vocab_size, device)
-        if copied is not None and copied.tree is not None:
-            static_tree_round(runner, passes, policy, scorer, out, stats, clock, copied, last, start, began)
+        grown = None
+        if successors is not None and policy.round_budget > 0:
+            grown = drafter.recycled_draft(out.tokens, policy, copied, successors)
+        if grown is not None or (copied is not None and copied.tree is not None):
+            static_tree_round(runner, passes, policy, scorer, out, stats, clock, grown or copied, last, start, began,
+                              successors)
             last = torch.tensor([[out.tokens[-1]]], device=device)  # [1, 1]: read back with the round already
             continue
         if copied is not None:
@@ -100,20 +111,24 @@ def run_static_rounds(
         else:
             accepted, next_token = accept_greedy_on_device(drafted, scores)
         verified_at = clock.mark()
-        # The round's one read back: drafted tokens, accepted count, next token, confidences.
+        # The round's one read back: drafted tokens, accepted count, next token, confidences (and each row's top
+        # next tokens, for the successor table).
         k = drafted.shape[0]
         packed = [drafted.double(), accepted.view(1).double(), next_token.double()]
         if confidences is not None:
             packed.append(confidences.double())
-        values = torch.cat(packed).tolist()
+        top = top_successors(scores) if successors is not None else None
+        values = read_back(packed, top)
         tokens, n, token = [int(v) for v in values[:k]], int(values[k]), int(values[k + 1])
+        if top is not None:
+            successors.record_top(chain_contexts(out.tokens, tokens), *top_rows(values, top))
         # 4. roll back: keep the entries of the last token and of the accepted drafted tokens
         runner.cache.crop(start + 1 + n)
         passes.fill_head(runner, checked, start, start + 1 + n)
         # 5. emit
         out.emit(tokens[:n] + [token])
         # 6. record
-        draft = copied or Draft(tokens, None, [], confidences=values[k + 2 :])
+        draft = copied or Draft(tokens, None, [], confidences=values[k + 2 : 2 * k + 2] if confidences is not None else [])
         draft_seconds, verify_seconds = clock.seconds(began, drafted_at), clock.seconds(drafted_at, verified_at)
         stats.record_round(drafted=k, accepted=n, draft_seconds=draft_seconds, verify_seconds=verify_seconds,
                            source=draft.source)
@@ -122,7 +137,8 @@ def run_static_rounds(
 
 
 def static_tree_round(runner, passes: TargetPasses, policy, scorer: Scorer, out, stats: GenerationStats,
-                      clock: RoundClock, draft: Draft, last: torch.Tensor, start: int, began) -> None:
+                      clock: RoundClock, draft: Draft, last: torch.Tensor, start: int, began,
+                      successors: SuccessorTable | None) -> None:
     """One round that verifies a token tree: acceptance on the device, one read back, compaction."""
     tree = draft.tree
     drafted_at = clock.mark()
@@ -134,15 +150,48 @@ def static_tree_round(runner, passes: TargetPasses, policy, scorer: Scorer, out,
     else:
         kept, next_token = accept_tree_greedy_on_device(tree, scores)
     verified_at = clock.mark()
-    values = torch.cat([kept.long(), next_token]).tolist()  # the round's one read back
-    path = [node for node, keep in enumerate(values[:-1]) if keep]
+    top = top_successors(scores) if successors is not None else None
+    values = read_back([kept.double(), next_token.double()], top)  # the round's one read back
+    if top is not None:  # every row, rejected nodes' too: the recycling
+        successors.record_top(tree_contexts(out.tokens, tree), *top_rows(values, top))
+    path = [node for node, keep in enumerate(values[: len(tree)]) if keep]
     passes.keep_tree_path(runner, checked, tree, path, start)
-    out.emit(tree.path_tokens(path) + [values[-1]])
-    draft_seconds, verify_seconds = clock.seconds(began, drafted_at), clock.seconds(drafted_at, verified_at)
+    out.emit(tree.path_tokens(path) + [int(values[len(tree)])])
+    record_tree_round(policy, stats, draft, path, draft_seconds=clock.seconds(began, drafted_at),
+                      verify_seconds=clock.seconds(drafted_at, verified_at))
+
+
+def record_tree_round(policy, stats: GenerationStats, draft: Draft, path: list[int], *, draft_seconds: float,
+                      verify_seconds: float) -> None:
+    """What a verified tree tells the stats and the policy (the eager loop's and the static step's)."""
+    tree = draft.tree
+    first_recycled = len(tree) - len(draft.recycled)  # the tree's last nodes are the recycled ones
+    recycled_kept = sum(node >= first_recycled for node in path)
+    if draft.recycled:
+        policy.observe_recycled(predicted=sum(draft.recycled), accepted=recycled_kept)
     stats.record_round(drafted=len(tree), accepted=len(path), draft_seconds=draft_seconds,
-                       verify_seconds=verify_seconds, source="ngram tree")
-    policy.observe(draft, tree.first_path_kept(path),  # the policy learns from the first path: how far it was kept
-                   draft_seconds=draft_seconds, verify_seconds=verify_seconds, width=len(tree) + 1)
+                       verify_seconds=verify_seconds, source=f"{draft.source} tree",
+                       recycled=(len(draft.recycled), recycled_kept))
+    # An n-gram tree teaches the policy how far its first path (the chain it would have verified) was kept; a
+    # layer tree, how deep its kept path went (its confidences are the share of probability each level kept).
+    kept = len(path) if draft.source == "layers" else tree.first_path_kept(path)
+    policy.observe(draft, kept, draft_seconds=draft_seconds, verify_seconds=verify_seconds, width=len(tree) + 1)
+
+
+def read_back(packed: list[torch.Tensor], top: tuple[torch.Tensor, torch.Tensor] | None) -> list[float]:
+    """The round's one device read: the 1-d float64 tensors `packed`, then the rows' top successors' probabilities
+    and ids (`top`, each `[rows, TOP]`), flattened; ids up to 2**53 are exact in float64."""
+    if top is not None:
+        packed = [*packed, top[0].double().flatten(), top[1].double().flatten()]
+    return torch.cat(packed).tolist()
+
+
+def top_rows(values: list[float], top: tuple[torch.Tensor, torch.Tensor]) -> tuple[list[list[int]], list[list[float]]]:
+    """From the end of `read_back`'s values: per row, the top successors' ids and probabilities."""
+    rows, width = top[0].shape
+    probs, ids = values[len(values) - 2 * rows * width : len(values) - rows * width], values[len(values) - rows * width :]
+    return ([[int(t) for t in ids[r * width : (r + 1) * width]] for r in range(rows)],
+            [probs[r * width : (r + 1) * width] for r in range(rows)])
 
 
 def draft_on_device(

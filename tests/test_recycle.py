@@ -135,6 +135,23 @@ def test_recycled_trees_equal_generate_on_every_architecture():
     assert drafted > 1000 and kept > 100, (drafted, kept)
 
 
+def test_the_static_step_drafts_recycled_trees_and_equals_generate():
+    """The static step grows the same trees on the host; each round's rows' top tokens come back with its one
+    read. Twice per plan, the second call drafting from the first's table."""
+    drafted = kept = 0
+    for arch in ARCHS:
+        model = tiny_model(arch, torch.float64, window=4 if has_window(arch) else None)
+        prompt = random_prompt(20, seed=3)
+        ref = model.generate(prompt, do_sample=False, max_new_tokens=40)
+        for plan in RECYCLE_PLANS:
+            spec = selfspec.wrap(model, plan=plan, costs="flat", step="static")
+            for _ in range(2):
+                assert_same(spec.generate(prompt, max_new_tokens=40), ref, f"{arch}, static: {plan}")
+                drafted += spec.last_stats.recycled_drafted
+                kept += spec.last_stats.recycled_accepted
+    assert drafted > 500 and kept > 50, (drafted, kept)
+
+
 def test_the_table_carries_over_between_greedy_calls_and_sampling_starts_afresh():
     model = tiny_model("llama", torch.float64)
     prompt = random_prompt(20, seed=1)
