@@ -15,7 +15,8 @@ with 5.24), carry the wheel: here, once, `python -m pip download --no-deps
    of the test suite, eager and on the fast step (`step="graphs"`), in float64
    (exact) and float32 (first difference reported with the target's top-2
    gap), over plans with layer subsets, early exits, an exit head, a draft
-   vocabulary, n-gram proposals and token trees (a layer draft's, n-grams').
+   vocabulary, n-gram proposals and token trees (a layer draft's, n-grams',
+   recycled ones).
 2. Seeded sampling on CUDA runs and reproduces (a CUDA generator), on both steps.
 3. A model with layers on two devices (accelerate's `device_map`, half the
    layers in CPU memory) runs eagerly and equals `model.generate`.
@@ -77,6 +78,7 @@ def plans(folder: Path, model) -> list[selfspec.DraftPlan]:
                                                             source_layer=5)), draft_length=4),
         selfspec.DraftPlan(layers=[0, 2, 5], tree=10, draft_length=4, policy="fixed"),  # a layer tree (eager)
         selfspec.DraftPlan(ngram=2, tree=8, layers=[0, 1, 4], draft_length=4, policy="fixed"),  # n-gram trees
+        selfspec.DraftPlan(recycle=True, ngram=2, tree=12, layers=[0, 2], draft_length=5),  # recycled trees
     ]
 
 

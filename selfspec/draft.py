@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .head import ExitHead
-from .ngram import continuations, longest_match
+from .ngram import NgramIndex
 from .plan import DraftPlan
 from .recycle import SuccessorTable
 from .runner import LayerRunner
@@ -60,6 +60,8 @@ class Drafter:
     ) -> None:
         self.num_layers = num_layers
         self.ngram = plan.ngram
+        self.ngrams = NgramIndex(plan.ngram)  # the n-gram lookup of the sequence `indexed_tokens` (it only grows)
+        self.indexed_tokens: list[int] | None = None
         self.tree_nodes = plan.tree  # a round may verify a token tree of up to this many nodes
         self.set_layers(plan.draft_layers(num_layers))
         self.head = head
@@ -225,12 +227,10 @@ class Drafter:
         """
         if not self.ngram:
             return None
-        if self.tree_nodes:
-            paths, match_length = continuations(tokens, max_ngram=self.ngram, budget=policy.round_budget,
-                                                branches=TREE_BRANCHES)
-        else:
-            copied, match_length = longest_match(tokens, max_ngram=self.ngram, budget=policy.round_budget)
-            paths = [copied] if copied else []
+        if tokens is not self.indexed_tokens:  # a new sequence (each generation's grows in place): a new index
+            self.ngrams, self.indexed_tokens = NgramIndex(self.ngram), tokens
+        paths, match_length = self.ngrams.continuations(tokens, budget=policy.round_budget,
+                                                        branches=TREE_BRANCHES if self.tree_nodes else 1)
         if not paths:
             return None
         copied = paths[0][: policy.ngram_length(match_length, len(paths[0]))]

@@ -55,30 +55,46 @@ def continuations(tokens: list[int], *, max_ngram: int, budget: int, branches: i
 
 
 class NgramIndex:
-    """`longest_match` for a sequence that only grows, in O(max_ngram) per token instead of a scan.
+    """`longest_match` and `continuations` for a sequence that only grows, without a scan of the sequence.
 
-    For every n <= max_ngram it maps each n-gram to the latest start at which
-    it occurred, over the n-grams that end before the last token (so the
-    suffix itself is never its own match). `match(tokens)` indexes what was
-    appended since the last call, then looks the suffixes up, longest first:
-    the same tokens and match length as `longest_match(tokens, ...)`.
+    For every n <= max_ngram it maps each n-gram to the starts at which it
+    occurred, in order, over the n-grams that end before the last token (so
+    the suffix itself is never its own match). A query indexes what was
+    appended since the last one, then looks the suffixes up, longest first,
+    the latest occurrence first: the same tokens and match length as the
+    scans. The caller keeps one index per sequence (a new sequence, a new
+    index); per token it costs O(max_ngram), and a query O(occurrences read).
     """
 
     def __init__(self, max_ngram: int) -> None:
         self.max_ngram = max_ngram
-        self.latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram + 1)]  # by n
+        self.starts: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(max_ngram + 1)]  # by n
         self.indexed = 0  # n-grams ending at positions < indexed are in the tables
 
     def match(self, tokens: list[int], *, budget: int) -> tuple[list[int], int]:
-        if budget < 1:
+        """`longest_match(tokens, max_ngram=..., budget=budget)`."""
+        paths, n = self.continuations(tokens, budget=budget, branches=1)
+        return (paths[0] if paths else []), n
+
+    def continuations(self, tokens: list[int], *, budget: int, branches: int) -> tuple[list[list[int]], int]:
+        """`continuations(tokens, max_ngram=..., budget=budget, branches=branches)`."""
+        if budget < 1 or branches < 1:
             return [], 0
         length = len(tokens)
         for end in range(self.indexed, length - 1):  # the n-grams ending at `end`, for every n
             for n in range(1, min(self.max_ngram, end + 1) + 1):
-                self.latest[n][tuple(tokens[end + 1 - n : end + 1])] = end + 1 - n
+                self.starts[n].setdefault(tuple(tokens[end + 1 - n : end + 1]), []).append(end + 1 - n)
         self.indexed = max(self.indexed, length - 1)
         for n in range(min(self.max_ngram, length - 1), 0, -1):
-            start = self.latest[n].get(tuple(tokens[length - n :]))
-            if start is not None:
-                return tokens[start + n : start + n + budget], n
+            starts = self.starts[n].get(tuple(tokens[length - n :]))
+            if not starts:
+                continue
+            found: list[list[int]] = []
+            for j in reversed(starts):
+                follow = tokens[j + n : j + n + budget]
+                if follow not in found:
+                    found.append(follow)
+                    if len(found) == branches:
+                        break
+            return found, n
         return [], 0

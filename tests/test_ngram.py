@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,7 +11,7 @@ from hypothesis import strategies as st
 
 import selfspec
 from plan_strategies import assert_same
-from selfspec.ngram import NgramIndex, longest_match, lookup
+from selfspec.ngram import NgramIndex, continuations, longest_match, lookup
 from selfspec.testing import random_prompt, tiny_model
 
 
@@ -67,3 +69,36 @@ def test_ngram_index_equals_longest_match_as_a_sequence_grows(tokens, max_ngram,
     for length in [*range(1, len(tokens), stride), len(tokens)]:
         assert index.match(tokens[:length], budget=budget) == longest_match(tokens[:length], max_ngram=max_ngram,
                                                                            budget=budget)
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=60), max_ngram=st.integers(1, 4),
+       budget=st.integers(0, 6), branches=st.integers(1, 4), stride=st.integers(1, 7))
+def test_ngram_index_equals_the_continuations_scan_as_a_sequence_grows(tokens, max_ngram, budget, branches, stride):
+    """What the drafter's trees draw from: the same continuations, in the same order, as the scan."""
+    index = NgramIndex(max_ngram)
+    for length in [*range(1, len(tokens), stride), len(tokens)]:
+        assert index.continuations(tokens[:length], budget=budget, branches=branches) == continuations(
+            tokens[:length], max_ngram=max_ngram, budget=budget, branches=branches)
+
+
+def test_the_drafter_indexes_each_sequence_apart():
+    """A new token list (another generation) gets a new index: nothing of the last sequence is matched."""
+    from selfspec.draft import Drafter
+
+    class Whole:  # verifies whatever the lookup found
+        round_budget = 4
+
+        def ngram_length(self, match_length, available):
+            return available
+
+        def tree_nodes(self, chain, max_nodes, **_):
+            return max_nodes
+
+    drafter = Drafter(selfspec.DraftPlan(ngram=2, tree=8), num_layers=2)
+    greedy = types.SimpleNamespace(do_sample=False)
+    first = [1, 2, 3, 4, 1, 2]
+    assert drafter.ngram_draft(first, Whole(), greedy, 10, "cpu").tokens == [3, 4, 1, 2]
+    first += [5, 1, 2]  # grows in place: indexed on from where it was; the latest continuation first
+    assert drafter.ngram_draft(first, Whole(), greedy, 10, "cpu").tree.tokens[:2] == (5, 1)
+    assert drafter.ngram_draft([7, 1, 2], Whole(), greedy, 10, "cpu") is None  # no earlier (1, 2) in this one
