@@ -376,7 +376,8 @@ class RuntimeCosts:
     def __init__(self, table: PassCosts, *, learn: bool = True) -> None:
         self.table = table
         self.learn = learn
-        self.context: int | None = None  # entries in the cache this round (the decode loop sets it)
+        self._context: int | None = None  # entries in the cache this round (the decode loop sets `context`)
+        self.priced: dict[tuple[int, int], float] = {}  # (width, exact prefix) -> seconds, until context or ratios change
         # Recent ratios by (width, band) and by band (every width); their medians once seen MIN_SEEN times,
         # kept up to date by `observe_verify` so that pricing a round reads them and computes nothing.
         self.seen: dict[tuple[int, int] | int, deque[float]] = {}
@@ -386,6 +387,16 @@ class RuntimeCosts:
         self.seen_draft: deque[float] = deque(maxlen=self.WINDOW)
         self.draft_ratio = 1.0
         self.ratios: dict[int, tuple[float, ...]] = {}  # per band, every width's correction (until an observation)
+
+    @property
+    def context(self) -> int | None:
+        return self._context
+
+    @context.setter
+    def context(self, context: int | None) -> None:
+        if context != self._context:
+            self._context = context
+            self.priced.clear()
 
     def ratio(self, width: int, context: int | None) -> float:
         """observed / table for a pass over `width` tokens at `context` entries (1.0 until something is seen)."""
@@ -424,8 +435,13 @@ class RuntimeCosts:
         return context_band(self.table.context if context is None else context)
 
     def verify(self, width: int, exact_prefix: int = 0) -> float:
-        """A verify pass over `width` tokens at this round's context."""
-        return self.table.verify_seconds(width, exact_prefix, self.context) * self.ratio(width, self.context)
+        """A verify pass over `width` tokens at this round's context (priced once per round and width: a round
+        asks for the same widths many times, and on a GPU its host time is not hidden behind the passes)."""
+        seconds = self.priced.get((width, exact_prefix))
+        if seconds is None:
+            seconds = self.table.verify_seconds(width, exact_prefix, self.context) * self.ratio(width, self.context)
+            self.priced[(width, exact_prefix)] = seconds
+        return seconds
 
     def draft(self) -> float:
         """One drafted token at this round's context."""
@@ -461,6 +477,7 @@ class RuntimeCosts:
         self.seen_all.append(ratio)
         self.overall = statistics.median(self.seen_all)
         self.ratios.clear()
+        self.priced.clear()
 
     def observe_draft(self, steps: int, seconds: float) -> None:
         if not self.learn or steps <= 0 or seconds <= 0 or not self.table.draft_step:

@@ -88,12 +88,12 @@ class TokenTree:
     @functools.cached_property
     def _visibility(self) -> torch.Tensor:
         n = len(self.tokens)
-        seen = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-        seen[0, 0] = True
+        rows = [[True] + [False] * n]  # built on the host, one tensor at the end (not a tensor op per node)
         for i, parent in enumerate(self.parents):
-            seen[i + 1] = seen[parent + 1]
-            seen[i + 1, i + 1] = True
-        return seen
+            row = rows[parent + 1].copy()
+            row[i + 1] = True
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.bool)
 
     @functools.cached_property
     def _earlier_siblings(self) -> torch.Tensor:
@@ -201,11 +201,13 @@ def compact(cache, *, start: int, path: list[int], layers) -> None:
     """
     keep = start + 1 + len(path)
     if path and any(row != i for i, row in enumerate(path)):
-        source = torch.tensor([start + 1 + row for row in path])
+        source = None  # [len(path)] slots to read, on the buffers' device: one copy there, not one per buffer
         for i in layers:
             for buffer in (cache.keys[i], cache.values[i]):
                 if buffer is not None:
-                    buffer[:, :, start + 1 : keep] = buffer[:, :, source.to(buffer.device)]
+                    if source is None or source.device != buffer.device:
+                        source = torch.tensor([start + 1 + row for row in path], device=buffer.device)
+                    buffer[:, :, start + 1 : keep] = buffer[:, :, source]
     cache.crop(keep)
 
 
