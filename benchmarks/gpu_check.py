@@ -360,14 +360,20 @@ def verify_cost(verify: dict[int, float], width: int) -> float:
     return verify.get(bucket, max(verify.values()))
 
 
+def projection_inputs(name: str, measured: dict, label: str) -> tuple[dict | None, dict | None]:
+    """The CPU-measured data file `name` and the SmolLM2 GPU timings, or (None, None) with a line saying why."""
+    path = DATA / name
+    if not path.is_file() or "SmolLM2-135M" not in measured:
+        print(f"{label}: skipped ({path} or the SmolLM2 timings missing)")
+        return None, None
+    return json.loads(path.read_text()), measured["SmolLM2-135M"]
+
+
 def projection(measured: dict) -> None:
     """Speed per plan from CPU-measured round outcomes and these GPU costs (labelled: a projection)."""
-    profile = DATA / "acceptance_smollm2.json"
-    if not profile.is_file() or "SmolLM2-135M" not in measured:
-        print(f"PROJECTION: skipped ({profile} or the SmolLM2 timings missing)")
+    data, gpu = projection_inputs("acceptance_smollm2.json", measured, "PROJECTION")
+    if data is None:
         return
-    data = json.loads(profile.read_text())
-    gpu = measured["SmolLM2-135M"]
     per_token = gpu["per_token"]
     baseline = per_token.get("HF static+compile", per_token["model.generate"])
     baseline_name = "HF static+compile" if "HF static+compile" in per_token else "model.generate"
@@ -406,12 +412,9 @@ def pass_projection(measured: dict) -> None:
     steps read beyond one per pass) at this GPU's cost of the deepest draft step per step of weights it reads; the
     per-token overhead of selfspec's plain path carries over as it is.
     """
-    path = DATA / "flat_passes_smollm2.json"
-    if not path.is_file() or "SmolLM2-135M" not in measured:
-        print(f"PASS PROJECTION: skipped ({path} or the SmolLM2 timings missing)")
+    data, gpu = projection_inputs("flat_passes_smollm2.json", measured, "PASS PROJECTION")
+    if data is None:
         return
-    data = json.loads(path.read_text())
-    gpu = measured["SmolLM2-135M"]
     layers, per_token = gpu["layers"], gpu["per_token"]
     baseline_name = "HF static+compile" if "HF static+compile" in per_token else "model.generate"
     plain = per_token[f"selfspec plain {FAST}"]
