@@ -25,7 +25,9 @@ with 5.24), carry the wheel: here, once, `python -m pip download --no-deps
    new tokens: `model.generate`, HF static cache + `torch.compile` (its compile
    time apart), selfspec's plain path eager and on graphs (tokens/s); then, on
    the graphed runner, a draft step through m layers and a verify pass over q
-   tokens in units of one plain step, against the issue's targets.
+   tokens in units of one plain step, against the issue's targets; and a
+   plain step on a runner kept at 8,192 positions, at its captured span and
+   attending to every position.
 5. A left-padded batch (n-gram drafts) equals each prompt alone on the device
    (float64, every tiny architecture); at SmolLM2's shape, a batch of 8 x 64
    tokens against `model.generate` batched and one prompt at a time.
@@ -330,6 +332,10 @@ def costs(name: str, quick: bool) -> dict:
           flush=True)
     print(f"{name}: verify pass over q tokens (target <= 1.30 for q <= 16): "
           + ", ".join(f"q={q}: {c:.2f}" for q, c in verify.items()), flush=True)
+    kept = {label: seconds / one for label, seconds in kept_runner_step(parts, prompt, layers).items()}
+    print(f"{name}: on a kept runner grown to {KEPT_CAPACITY} positions, a plain step at {PROMPT} entries: "
+          f"{kept['span']:.2f} plain steps at its span, {kept['whole']:.2f} attending to every position "
+          "(what graphs did before spans)", flush=True)
     best = result.get("HF static+compile")
     fast = result[f"selfspec plain {FAST}"]
     print(f"{name} TARGETS: plain {FAST} {hf / fast:.2f}x model.generate (target >= 5), "
@@ -339,6 +345,30 @@ def costs(name: str, quick: bool) -> dict:
     runner = None
     return {"layers": layers, "step": one, "draft": draft, "verify": verify, "per_token": {
         k: v / NEW for k, v in result.items()}}
+
+
+KEPT_CAPACITY = 8192  # a runner the engine kept after a long generation
+
+
+def kept_runner_step(parts, prompt: torch.Tensor, layers: int) -> dict[str, float]:
+    """Seconds of a plain step at the prompt's length on a runner of `KEPT_CAPACITY` positions: captured at the
+    span `captured_span` picks, and at the whole capacity."""
+    seconds = {}
+    for label, span_min in (("span", selfspec.static.CAPTURED_SPAN_MIN), ("whole", 1 << 30)):
+        saved, selfspec.static.CAPTURED_SPAN_MIN = selfspec.static.CAPTURED_SPAN_MIN, span_min
+        try:
+            runner = (GraphedRunner if FAST == "graphs" else StaticRunner)(parts, capacity=KEPT_CAPACITY, max_width=33)
+            runner.run(runner.embed(prompt[0].tolist(), 0), range(layers), 0)
+
+            def step() -> None:
+                runner.cache.crop(prompt.shape[1])
+                runner.logits(runner.run(runner.embed(prompt[:, :1], prompt.shape[1]), range(layers),
+                                         prompt.shape[1])).argmax(-1)
+
+            seconds[label] = sync_time(step)
+        finally:
+            selfspec.static.CAPTURED_SPAN_MIN = saved
+    return seconds
 
 
 def interpolate(points: dict[int, float], x: int) -> float:

@@ -10,14 +10,16 @@
   any query could. Wider passes (a prompt's prefill) run at their own width.
 - positions: the pass's start is added on the device to a fixed range, and
   the cache (`StaticKVCache`) writes at those positions;
-- attention covers the cache's whole capacity when a pass is captured, under
-  a mask built on the device from the positions; uncaptured, it covers the
-  positions in use rounded up to a multiple of `SPAN_STEP` (CPU passes do not
-  pay for empty positions).
+- attention covers the positions in use rounded up, under a mask built on
+  the device from the positions: to a multiple of `SPAN_STEP` uncaptured (CPU
+  passes do not pay for empty positions), to a power of two from
+  `CAPTURED_SPAN_MIN` when captured (a graph's span is fixed at capture, so a
+  few spans serve every length; a pass never reads more than twice the
+  entries in use, however large the kept cache has grown).
 
 So a pass is the same sequence of kernels whatever the cache holds, and
-`GraphedRunner` captures one CUDA graph per (layer set, width) at its first
-use and replays it after. The host still knows every length (it chose them),
+`GraphedRunner` captures one CUDA graph per (layer set, width, span) at its
+first use and replays it after. The host still knows every length (it chose them),
 so bookkeeping needs no device read.
 
 This module knows shapes, positions, masks and graphs; it does not know
@@ -38,6 +40,7 @@ from .runner import LayerRunner
 from .tree import TokenTree
 
 SPAN_STEP = 64  # uncaptured passes attend to the used positions, rounded up to a multiple of this
+CAPTURED_SPAN_MIN = 256  # captured passes attend to 256, 512, 1024, ... positions (up to the capacity)
 MAX_GRAPHS = 64  # captured passes per runner; past it, passes run uncaptured
 MAX_CAPTURE_SECONDS = 120.0  # total capture time per runner; past it, passes run uncaptured
 
@@ -110,11 +113,13 @@ class StaticRunner(LayerRunner):
         visible[:q, :q] = tree.visibility().to(device)
         return start + depths, visible
 
-    def fixed_pass(self, hidden: torch.Tensor, layers: tuple[int, ...], start, tree_rows=None, probe=None) -> torch.Tensor:
+    def fixed_pass(self, hidden: torch.Tensor, layers: tuple[int, ...], start, tree_rows=None, probe=None,
+                   span: int | None = None) -> torch.Tensor:
         """`layers` on `hidden` `[1, width, hidden]` at start..start+width-1; `start` an int or a 0-d device tensor.
 
         `tree_rows` (`tree_rows()`): the rows' positions and visibility of a tree pass.
         `probe(layer, before, after)`: called after each layer (`auto_layers.py`).
+        `span`: the positions attention covers (at least start + width); by default `span()`'s.
         """
         width = hidden.shape[1]
         if width <= self.largest:
@@ -123,7 +128,7 @@ class StaticRunner(LayerRunner):
             slots = torch.arange(start, start + width, device=self.offsets.device)
         positions = slots if tree_rows is None else tree_rows[0]  # [width]: where each row sits
         self.cache.write_positions = slots
-        self.cache.span = self.span(start, width)
+        self.cache.span = self.span(start, width) if span is None else span
         rotary = {kind: (cos[:, positions], sin[:, positions]) for kind, (cos, sin) in self.rotary.items()}
 
         def mask_for(window: int | None) -> torch.Tensor:
@@ -136,9 +141,16 @@ class StaticRunner(LayerRunner):
 
     def span(self, start, width: int) -> int:
         """How many cache positions a pass attends to: those in use, rounded up (all of them when captured)."""
-        if isinstance(start, torch.Tensor):  # captured: the start is not known on the host
+        if isinstance(start, torch.Tensor):  # the start is not known on the host: every position
             return self.cache.capacity
         return min(self.cache.capacity, -(-(start + width) // SPAN_STEP) * SPAN_STEP)
+
+    def captured_span(self, end: int) -> int:
+        """The span a captured pass ending at `end` runs at: the smallest `CAPTURED_SPAN_MIN` * 2^i >= end."""
+        span = CAPTURED_SPAN_MIN
+        while span < end:
+            span *= 2
+        return min(span, self.cache.capacity)
 
     def tree_capacity_mask(self, start, rows: torch.Tensor, visible: torch.Tensor, window: int | None):
         """`[1, 1, width, span]` mask of a tree pass: the prefix, then the slots each row sees.
@@ -224,7 +236,7 @@ class CudaGraphBackend:
 
 
 class GraphedRunner(StaticRunner):
-    """A `StaticRunner` that captures each (layer set, width) pass as a CUDA graph on first use.
+    """A `StaticRunner` that captures each (layer set, width, span) pass as a CUDA graph on first use.
 
     The graphs hold the addresses of this runner's cache, so the runner lives
     as long as the wrapped model uses it (the engine keeps one and reuses it
@@ -245,7 +257,7 @@ class GraphedRunner(StaticRunner):
         # Inside a capture, a wide prefill, or a pass whose layers report to a probe: uncaptured.
         if isinstance(start, torch.Tensor) or width > self.largest or probe is not None:
             return super().fixed_pass(hidden, layers, start, tree_rows, probe)
-        key = (layers, width, tree_rows is not None)
+        key = (layers, width, tree_rows is not None, self.captured_span(start + width))
         captured = self.graphs.get(key)
         if captured is not None:
             return captured.replay(hidden, start, *(tree_rows or ()))
@@ -255,14 +267,14 @@ class GraphedRunner(StaticRunner):
 
     def capture(self, key: tuple, hidden: torch.Tensor, start: int, tree_rows=None) -> torch.Tensor:
         """Run the pass (its result is this call's), then record it as a graph for the next calls."""
-        layers = key[0]
+        layers, span = key[0], key[3]
         began = time.perf_counter()
         static_hidden = hidden.clone()  # [1, width, hidden]: the graph's input buffer
         static_start = torch.tensor(start, device=hidden.device)  # 0-d: the graph's first slot
         static_tree = None if tree_rows is None else tuple(t.clone() for t in tree_rows)  # rows' positions, visibility
 
         def run() -> torch.Tensor:
-            return StaticRunner.fixed_pass(self, static_hidden, layers, static_start, static_tree)
+            return StaticRunner.fixed_pass(self, static_hidden, layers, static_start, static_tree, span=span)
 
         with self.backend.warm_up():  # the real pass: this call's result
             result = run().clone()

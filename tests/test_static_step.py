@@ -268,6 +268,36 @@ def test_graphed_runner_replays_equal_generate(arch, tmp_path, monkeypatch):
         assert spec.graphed is None
 
 
+def test_captured_passes_attend_to_a_power_of_two_span_not_the_whole_kept_cache(tmp_path, monkeypatch):
+    """A graphed runner kept after a long generation does not make short ones attend to its whole capacity."""
+    monkeypatch.setattr(selfspec.static, "CAPTURED_SPAN_MIN", 32)
+    model = model_for("gemma3_text")  # sliding-window layers: the window's mask inside a span
+    spec = graphed(model, plan_kinds(model, tmp_path)["cost policy"], monkeypatch)
+    spans = []
+    real_record = ReplayingBackend.record
+
+    def record(backend, fn):  # the span each capture runs at
+        graph, output = real_record(backend, fn)
+        spans.append(spec.graphed.cache.span)
+        return graph, output
+
+    monkeypatch.setattr(ReplayingBackend, "record", record)
+    long_prompt = random_prompt(150, seed=2)
+    ref = model.generate(long_prompt, do_sample=False, max_new_tokens=40)
+    assert_same(spec.generate(long_prompt, max_new_tokens=40), ref, "long")
+    capacity = spec.graphed.cache.capacity
+    assert capacity >= 256 and set(spans) <= {256, capacity}, (spans, capacity)
+    spans.clear()
+    for length in (5, 20):
+        prompt = random_prompt(length, seed=length)
+        ref = model.generate(prompt, do_sample=False, max_new_tokens=30)
+        assert_same(spec.generate(prompt, max_new_tokens=30), ref, f"short, prompt {length}")
+    assert spans and set(spans) <= {32, 64}, spans  # not the kept capacity
+    assert {key[3] for key in spec.graphed.graphs} >= {32, 64, 256}, sorted(spec.graphed.graphs)
+    runner = spec.graphed
+    assert [runner.captured_span(end) for end in (1, 32, 33, 64, 65, 10**6)] == [32, 32, 64, 64, 128, capacity]
+
+
 def test_a_pass_that_cannot_be_captured_turns_graphs_off_with_the_reason(monkeypatch):
     model = model_for("llama")
     plan = selfspec.DraftPlan(exit_layer=3, draft_length=4, policy="fixed")
