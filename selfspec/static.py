@@ -41,7 +41,7 @@ from .tree import TokenTree
 
 SPAN_STEP = 64  # uncaptured passes attend to the used positions, rounded up to a multiple of this
 CAPTURED_SPAN_MIN = 256  # captured passes attend to 256, 512, 1024, ... positions (up to the capacity)
-MAX_GRAPHS = 64  # captured passes per runner; past it, passes run uncaptured
+MAX_GRAPHS = 128  # captured passes per runner (layer sets x widths x spans); past it, passes run uncaptured
 MAX_CAPTURE_SECONDS = 120.0  # total capture time per runner; past it, passes run uncaptured
 
 
