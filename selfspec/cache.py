@@ -109,8 +109,9 @@ class StaticKVCache(SharedKVCache):
     lengths are still kept, on the host, by the runner: it knows them without
     reading the device.
 
-    Uncaptured, a pass may attend to fewer positions (`span`, a multiple of a
-    fixed step) to spare the work on empty ones.
+    A pass attends to the first `span` positions, set by the runner per pass
+    (a multiple of a fixed step uncaptured, a power of two when captured), to
+    spare the work on empty ones.
 
     Buffers start zeroed: a masked-out key gets weight 0, and 0 x NaN would
     still be NaN.
@@ -119,7 +120,7 @@ class StaticKVCache(SharedKVCache):
     def __init__(self, num_layers: int, capacity: int, windows: list[int | None] | None = None) -> None:
         super().__init__(num_layers, capacity, windows)  # its masks hide what a window hides: it returns all
         self.write_positions: torch.Tensor | None = None  # [q] int64, set by the runner
-        self.span: int = capacity  # positions a layer attends to (set by the runner): all of them when captured
+        self.span: int = capacity  # positions a layer attends to (set by the runner per pass)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
