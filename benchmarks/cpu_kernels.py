@@ -32,7 +32,7 @@ import transformers
 import selfspec
 from benchmarks.run import print_header
 from selfspec.batch import BatchRunner
-from selfspec.costs import cpu_model
+from selfspec.costs import cpu_capability, cpu_model
 from selfspec.cpu_kernels import NO_ATTENTION_CHANGE, NO_CHANGE, cpu_kernels
 
 WAYS = ("transformers", "+attention", "+linear")
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     print_header({
         "command": shlex.join([sys.executable, "-m", "benchmarks.cpu_kernels", *given]),
         "machine": f"{platform.platform()}; {cpu_model()}",
-        "cpu capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu capability": cpu_capability(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -20,6 +20,7 @@ import torch
 import transformers
 
 import selfspec
+from selfspec.costs import cpu_capability
 
 dtype, threads = sys.argv[1], int(sys.argv[2])
 N = int(sys.argv[3]) if len(sys.argv) > 3 else 64
@@ -61,7 +62,7 @@ with torch.no_grad():
 
 print(f"command: python {' '.join(sys.argv)}")
 print(f"machine: {platform.platform()}, {platform.processor() or 'cpu'}, torch {torch.__version__}, transformers {transformers.__version__}")
-print(f"cpu capability: {torch.backends.cpu.get_cpu_capability()}; {default.memory(context=512).summary()} (context 512)")
+print(f"cpu capability: {cpu_capability()}; {default.memory(context=512).summary()} (context 512)")
 print(f"dtype={dtype} quantize={quantize} threads={threads} new_tokens={N} prompts={len(ids)} x 2 repeats, interleaved; plan: {default.describe_plan()}")
 base = statistics.median(speeds["model.generate"])
 for name, values in speeds.items():

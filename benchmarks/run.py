@@ -26,7 +26,7 @@ import torch
 import transformers
 
 import selfspec
-from selfspec.costs import cpu_model
+from selfspec.costs import cpu_capability, cpu_model
 from benchmarks import report
 from benchmarks.measure import Row, measure
 from benchmarks.methods import (
@@ -347,7 +347,7 @@ def make_header(args, model, workload, plan, plan_note, chat) -> dict:
         "command": shlex.join([sys.executable, *sys.argv]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.platform()}; {cpu_model()}; {os.cpu_count()} CPUs",
-        "cpu capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu capability": cpu_capability(),
         "device": str(torch.cuda.get_device_name()) if args.device.startswith("cuda") else "cpu",
         "load average at start": load_average(),
         "python": platform.python_version(),

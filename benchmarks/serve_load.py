@@ -53,7 +53,7 @@ from transformers import StoppingCriteriaList
 import selfspec
 from benchmarks.run import busy_warning, load_average, print_header
 from benchmarks.workload import DEFAULT_DATA, Prompt, build_workload, has_chat_template
-from selfspec.costs import cpu_model
+from selfspec.costs import cpu_capability, cpu_model
 from selfspec.serving.generation import Engine, Job, JobCriteria, JobStreamer, Result
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -556,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join([sys.executable, "-m", "benchmarks.serve_load", *given]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.platform()}; {cpu_model()}; {os.cpu_count()} CPUs",
-        "cpu capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu capability": cpu_capability(),
         "load average at start": load_average(),
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -179,7 +179,20 @@ def machine_description(device: torch.device) -> str:
     """The processor that runs the passes: GPU name, or CPU model, ISA level and thread count."""
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
-    return f"{cpu_model()}, {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads"
+    return f"{cpu_model()}, {cpu_capability()}, {torch.get_num_threads()} threads"
+
+
+CAPABILITY_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")  # environment variables that cap the kernels' ISA
+
+
+def cpu_capability() -> str:
+    """The instruction set torch's CPU kernels dispatch to, and any cap set on it in the environment.
+
+    `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` makes an AVX-512 host run its passes as an AVX2-only
+    one does (what the benchmarks' "emulated AVX2" runs use); a figure measured so must say so."""
+    caps = [f"{name}={os.environ[name]}" for name in CAPABILITY_CAPS if os.environ.get(name)]
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{capability} (capped: {', '.join(caps)})" if caps else capability
 
 
 def cpu_model() -> str:

@@ -208,7 +208,8 @@ class Drafter:
         tree, values = successors.grow(tokens[-2] if len(tokens) > 1 else None, tokens[-1], base_tree, reach,
                                        max_nodes=self.tree_nodes, max_depth=policy.round_budget)
         base_nodes = len(base_tree) if base_tree is not None else 0
-        added = policy.recycled_nodes(values, base_nodes=base_nodes, base_expected=1.0 + sum(reach),
+        depths = tree.depths()[1 + base_nodes :]  # each recycled node's depth (row 0 is the root)
+        added = policy.recycled_nodes(values, depths, base_nodes=base_nodes, base_expected=1.0 + sum(reach),
                                       layers=self.has_layers)
         if not added:
             return None

@@ -49,7 +49,7 @@ from .output import Clock, Output
 from .parts import ModelParts, text_config
 from .passes import TargetPasses
 from .plan import DraftPlan
-from .policy import AcceptanceEstimates, AdaptivePolicy, Calibration, CostPolicy
+from .policy import AcceptanceEstimates, AdaptivePolicy, CostPolicy, DepthCalibration
 from .quant import describe_quantization
 from .recycle import SuccessorTable, chain_contexts, tree_contexts
 from .registry import adapter_for
@@ -156,7 +156,7 @@ class SelfSpecModel:
         self.successors = SuccessorTable()
         # So do the cost policy's acceptance estimates (`policy.py`): each greedy call goes on from what the
         # earlier ones learned instead of trying every draft source afresh at the plan's prior.
-        self.learned: tuple[AcceptanceEstimates, Calibration] | None = None
+        self.learned: tuple[AcceptanceEstimates, DepthCalibration] | None = None
 
     def _resolve_step(self, step: str) -> str:
         if step not in STEPS:

@@ -136,6 +136,38 @@ class Calibration:
 
 
 @dataclass
+class DepthCalibration:
+    """Recycled nodes' `Calibration`, kept apart by the node's depth in the tree (1, 2, 3, 4+).
+
+    A recycled node's value is the product of probabilities the target
+    recorded in other contexts along its path. Whether a deep node is kept
+    hangs on every node above it being kept, which that product overstates
+    most: measured on SmolLM2 (bfloat16, kernels capped at AVX2, where each
+    extra row costs about half a step), chains of recorded probabilities
+    near 0.99 were drafted 5 to 8 deep and had their first node rejected
+    (7 rounds that predicted 40 tokens kept 2), while single nodes kept 0.64
+    of what they predicted. One ratio over all depths let the deep chains
+    through; a ratio per depth learns how fast the recorded values lose
+    their meaning down a path.
+    """
+
+    depths: list[Calibration] = field(default_factory=lambda: [Calibration() for _ in range(POSITION_BUCKETS)])
+
+    def ratio(self, depth: int) -> float:
+        """The share of a node's value expected to be earned at tree `depth` (1: a child of the root)."""
+        return self.depths[_bucket(depth)].ratio
+
+    def observe(self, *, depths: Sequence[int], values: Sequence[float], kept: Sequence[bool]) -> None:
+        """Verified recycled nodes at `depths` with `values`; `kept[i]`: node i lies on the kept path."""
+        for depth, value, on_path in zip(depths, values, kept, strict=True):
+            self.depths[_bucket(depth)].observe(predicted=value, realized=float(on_path))
+
+    def decay(self, factor: float = DECAY) -> None:
+        for calibration in self.depths:
+            calibration.decay(factor)
+
+
+@dataclass
 class AcceptanceEstimates:
     """Per-token acceptance learned online, per draft source (see the module docstring)."""
 
@@ -260,7 +292,7 @@ class CostPolicy:
         self.reach = 1.0  # chance that every token drafted so far this round is accepted
         self.expected = 1.0  # expected emitted tokens if the round stopped now
         self.draft_scale = 1.0  # a drafted token's cost relative to the table's draft step (auto plans' other sets)
-        self.recycled = Calibration()  # of the recycled nodes' recorded path probabilities, the share accepted
+        self.recycled = DepthCalibration()  # of the recycled nodes' recorded path probabilities, the share kept
 
     def use_layers(self, key: object, *, exact_prefix: int, draft_scale: float) -> None:
         """Draft with another layer set from the next round (auto plans): its estimates, exact prefix and cost."""
@@ -310,30 +342,30 @@ class CostPolicy:
             reach.append(chance)
         return reach
 
-    def recycled_nodes(self, values: Sequence[float], *, base_nodes: int, base_expected: float,
-                       layers: bool) -> int:
-        """How many recycled nodes (`recycle.py`, best first, recorded path probabilities `values`) to add to a
-        draft of `base_nodes` nodes that is expected to emit `base_expected` tokens; 0 when none pay.
+    def recycled_nodes(self, values: Sequence[float], depths: Sequence[int], *, base_nodes: int,
+                       base_expected: float, layers: bool) -> int:
+        """How many recycled nodes (`recycle.py`, best first, recorded path probabilities `values`, at tree
+        `depths`) to add to a draft of `base_nodes` nodes that is expected to emit `base_expected` tokens; 0 when
+        none pay.
 
-        Predictions are scaled by what recycled nodes earned so far. With no
-        base draft, the tree must also beat a plain step and, when `layers`
-        may draft, the layer draft's expected rate.
+        Predictions are scaled by what recycled nodes at the same depth earned
+        so far. With no base draft, the tree must also beat a plain step and,
+        when `layers` may draft, the layer draft's expected rate.
         """
-        ratio = self.recycled.ratio
         best_m, best_rate = 0, base_expected / self.costs.verify(base_nodes + 1)
         if not base_nodes and layers:
             best_rate = max(best_rate, self.layer_draft_rate())
         gained = base_expected
-        for m, value in enumerate(values, 1):
-            gained += ratio * value
+        for m, (value, depth) in enumerate(zip(values, depths, strict=True), 1):
+            gained += self.recycled.ratio(depth) * value
             rate = gained / self.costs.verify(base_nodes + m + 1)
             if rate > best_rate * (1 + 1e-9):
                 best_m, best_rate = m, rate
         return best_m
 
-    def observe_recycled(self, *, predicted: float, accepted: int) -> None:
-        """A verified tree held recycled nodes predicted to add `predicted` tokens; `accepted` of them were kept."""
-        self.recycled.observe(predicted=predicted, realized=accepted)
+    def observe_recycled(self, *, depths: Sequence[int], values: Sequence[float], kept: Sequence[bool]) -> None:
+        """A verified tree held recycled nodes at `depths` with `values`; `kept[i]`: node i was on the kept path."""
+        self.recycled.observe(depths=depths, values=values, kept=kept)
 
     def begin_round(self, budget: int, *, context: int | None = None) -> None:
         """A new round that may draft `budget` tokens, with `context` entries in the cache (what passes cost)."""
@@ -455,11 +487,11 @@ class AdaptivePolicy:
     def ngram_reach(self, match_length: int, length: int) -> list[float]:
         return [self.target ** (j + 1) for j in range(length)]  # the plan's target acceptance, per token
 
-    def recycled_nodes(self, values: Sequence[float], *, base_nodes: int, base_expected: float,
-                       layers: bool) -> int:
+    def recycled_nodes(self, values: Sequence[float], depths: Sequence[int], *, base_nodes: int,
+                       base_expected: float, layers: bool) -> int:
         return len(values)  # a recycled tree fills the plan's node budget, whatever it costs
 
-    def observe_recycled(self, *, predicted: float, accepted: int) -> None:
+    def observe_recycled(self, *, depths: Sequence[int], values: Sequence[float], kept: Sequence[bool]) -> None:
         pass  # the fixed policy does not size trees
 
     def planned_length(self) -> int:

@@ -13,8 +13,9 @@ wider verify pass costs and nothing else.
 
 The recorded probabilities were the target's under another context, so they
 are not the chance that a path is accepted; the cost policy scales them by
-what recycled nodes actually earned (`policy.Calibration`) before it decides
-how many nodes are worth a wider pass.
+what recycled nodes at the same depth actually earned
+(`policy.DepthCalibration`) before it decides how many nodes are worth a
+wider pass.
 
 Nothing recorded changes what is kept: the tree's tokens are fixed candidates,
 and the acceptance rules (greedy, or recursive rejection when sampling) keep

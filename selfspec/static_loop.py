@@ -168,7 +168,9 @@ def record_tree_round(policy, stats: GenerationStats, draft: Draft, path: list[i
     first_recycled = len(tree) - len(draft.recycled)  # the tree's last nodes are the recycled ones
     recycled_kept = sum(node >= first_recycled for node in path)
     if draft.recycled:
-        policy.observe_recycled(predicted=sum(draft.recycled), accepted=recycled_kept)
+        on_path = set(path)
+        policy.observe_recycled(depths=tree.depths()[1 + first_recycled :], values=draft.recycled,
+                                kept=[node in on_path for node in range(first_recycled, len(tree))])
     stats.record_round(drafted=len(tree), accepted=len(path), draft_seconds=draft_seconds,
                        verify_seconds=verify_seconds, source=f"{draft.source} tree",
                        recycled=(len(draft.recycled), recycled_kept))

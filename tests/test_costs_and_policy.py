@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import selfspec
-from selfspec.costs import PassCosts, RuntimeCosts
+from selfspec.costs import PassCosts, RuntimeCosts, cpu_capability, machine_description
 from selfspec.draft import Draft
 from selfspec.policy import AcceptanceEstimates, CostPolicy, choose_length
 from selfspec.testing import random_prompt, tiny_model
@@ -363,3 +363,17 @@ def test_measured_tables_time_a_long_context_within_the_models_positions(kind, t
     positions = getattr(model.config, "n_positions", None)
     expected = 1024 if positions is None else positions - 5 - 1  # GPT-2's learned positions end sooner
     assert table.long_context == expected and len(table.verify_long) == 5 and table.draft_long > 0
+
+
+def test_a_capped_cpu_capability_is_named_in_figures_and_in_the_cost_tables_key(monkeypatch):
+    """`ATEN_CPU_CAPABILITY=avx2` on an AVX-512 host times an AVX2-only machine: every header and the cost
+    tables' machine must say the kernels were capped, so such a figure is never read as the host's own."""
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    uncapped = cpu_capability()
+    assert uncapped == torch.backends.cpu.get_cpu_capability()
+    cpu = torch.device("cpu")
+    plain_machine = machine_description(cpu)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert cpu_capability() == f"{uncapped} (capped: ONEDNN_MAX_CPU_ISA=AVX2)"
+    assert machine_description(cpu) != plain_machine  # a capped run's cost tables are kept apart

@@ -185,22 +185,41 @@ def test_the_cost_policy_sizes_recycled_trees():
     plan = selfspec.DraftPlan(recycle=True, tree=16, draft_length=8)
     flat = CostPolicy(plan, RuntimeCosts(PassCosts(verify=(1.0,) * 17, draft_step=0.5, num_layers=4), learn=False))
     flat.begin_round(8)
-    values = [0.9, 0.5, 0.2, 0.1]
-    assert flat.recycled_nodes(values, base_nodes=0, base_expected=1.0, layers=False) == 4  # free nodes all pay
+    values, depths = [0.9, 0.5, 0.2, 0.1], [1, 1, 2, 1]
+    assert flat.recycled_nodes(values, depths, base_nodes=0, base_expected=1.0, layers=False) == 4  # free: all pay
     linear = CostPolicy(plan, RuntimeCosts(PassCosts(verify=tuple(range(1, 18)), draft_step=0.5, num_layers=4),
                                            learn=False))
     linear.begin_round(8)
-    assert linear.recycled_nodes(values, base_nodes=0, base_expected=1.0, layers=False) == 0
+    assert linear.recycled_nodes(values, depths, base_nodes=0, base_expected=1.0, layers=False) == 0
     # A wide pass costing 10% more per 4 rows: the first nodes pay, the unlikely ones do not.
     sloped = CostPolicy(plan, RuntimeCosts(PassCosts(verify=tuple(1 + 0.025 * q for q in range(17)), draft_step=0.5,
                                                      num_layers=4), learn=False))
     sloped.begin_round(8)
-    assert sloped.recycled_nodes([0.9, 0.1, 0.01], base_nodes=0, base_expected=1.0, layers=False) == 2
-    # Recycled nodes that never get accepted are written down: their predictions scaled toward a quarter.
+    assert sloped.recycled_nodes([0.9, 0.1, 0.01], [1, 1, 1], base_nodes=0, base_expected=1.0, layers=False) == 2
+    # Recycled nodes that never get kept are written down: their predictions scaled toward a quarter.
     for _ in range(40):
-        sloped.observe_recycled(predicted=1.5, accepted=0)
-    assert sloped.recycled.ratio == pytest.approx(0.25)
-    assert sloped.recycled_nodes([0.9, 0.1, 0.01], base_nodes=0, base_expected=1.0, layers=False) == 1
+        sloped.observe_recycled(depths=[1, 1], values=[0.9, 0.6], kept=[False, False])
+    assert sloped.recycled.ratio(1) == pytest.approx(0.25)
+    assert sloped.recycled_nodes([0.9, 0.1, 0.01], [1, 1, 1], base_nodes=0, base_expected=1.0, layers=False) == 1
+
+
+def test_recycled_nodes_are_calibrated_per_depth():
+    """Chains of recorded probabilities near 1 whose first node is often rejected: the deep nodes are written
+    down by what deep nodes earned, the first by what first nodes earned (one ratio for all let them through)."""
+    plan = selfspec.DraftPlan(recycle=True, tree=16, draft_length=8)
+    # Each extra row costs half a step (a CPU where a wide pass is dear).
+    policy = CostPolicy(plan, RuntimeCosts(PassCosts(verify=tuple(1 + 0.5 * q for q in range(17)), draft_step=0.5,
+                                                     num_layers=4), learn=False))
+    chain, depths = [0.99] * 8, list(range(1, 9))
+    policy.begin_round(8)
+    assert policy.recycled_nodes(chain, depths, base_nodes=0, base_expected=1.0, layers=False) == 8  # believed
+    for round_ in range(60):  # the first node kept 3 rounds in 5; nothing deeper ever
+        first = round_ % 5 < 3
+        policy.observe_recycled(depths=depths, values=chain, kept=[first] + [False] * 7)
+    assert policy.recycled.ratio(1) == pytest.approx(0.6 / 0.99, rel=0.1)
+    assert policy.recycled.ratio(4) == pytest.approx(0.25)  # the floor
+    policy.begin_round(8)
+    assert policy.recycled_nodes(chain, depths, base_nodes=0, base_expected=1.0, layers=False) == 1
 
 
 def test_a_linear_cost_profile_drafts_no_recycled_tree():
