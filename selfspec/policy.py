@@ -145,7 +145,7 @@ class DepthCalibration:
     most: measured on SmolLM2 (bfloat16, kernels capped at AVX2, where each
     extra row costs about half a step), chains of recorded probabilities
     near 0.99 were drafted 5 to 8 deep and had their first node rejected
-    (7 rounds that predicted 40 tokens kept 2), while single nodes kept 0.64
+    (7 rounds that predicted 40 tokens kept 2), while trees of two nodes kept 0.64
     of what they predicted. One ratio over all depths let the deep chains
     through; a ratio per depth learns how fast the recorded values lose
     their meaning down a path.
