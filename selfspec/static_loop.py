@@ -166,11 +166,11 @@ def record_tree_round(policy, stats: GenerationStats, draft: Draft, path: list[i
     """What a verified tree tells the stats and the policy (the eager loop's and the static step's)."""
     tree = draft.tree
     first_recycled = len(tree) - len(draft.recycled)  # the tree's last nodes are the recycled ones
-    recycled_kept = sum(node >= first_recycled for node in path)
+    on_path = set(path)
+    kept = [node in on_path for node in range(first_recycled, len(tree))]  # per recycled node
+    recycled_kept = sum(kept)
     if draft.recycled:
-        on_path = set(path)
-        policy.observe_recycled(depths=tree.depths()[1 + first_recycled :], values=draft.recycled,
-                                kept=[node in on_path for node in range(first_recycled, len(tree))])
+        policy.observe_recycled(depths=tree.depths()[1 + first_recycled :], values=draft.recycled, kept=kept)
     stats.record_round(drafted=len(tree), accepted=len(path), draft_seconds=draft_seconds,
                        verify_seconds=verify_seconds, source=f"{draft.source} tree",
                        recycled=(len(draft.recycled), recycled_kept))
