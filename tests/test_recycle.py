@@ -25,6 +25,7 @@ import selfspec
 import selfspec.recycle
 from plan_strategies import assert_same
 from selfspec.costs import PassCosts, RuntimeCosts
+from selfspec.draft import Draft
 from selfspec.policy import CostPolicy
 from selfspec.recycle import SuccessorTable, chain_contexts, tree_contexts
 from selfspec.testing import TINY_CONFIGS, has_window, random_prompt, tiny_model
@@ -220,6 +221,55 @@ def test_recycled_nodes_are_calibrated_per_depth():
     assert policy.recycled.ratio(4) == pytest.approx(0.25)  # the floor
     policy.begin_round(8)
     assert policy.recycled_nodes(chain, depths, base_nodes=0, base_expected=1.0, layers=False) == 1
+
+
+def half_step_rows() -> CostPolicy:
+    """A cost policy on a CPU where a wide pass is dear: each extra row costs half a plain step."""
+    plan = selfspec.DraftPlan(recycle=True, tree=16, draft_length=8)
+    policy = CostPolicy(plan, RuntimeCosts(PassCosts(verify=tuple(1 + 0.5 * q for q in range(17)), draft_step=0.5,
+                                                     num_layers=4), learn=False))
+    policy.begin_round(8)
+    return policy
+
+
+def test_a_depth_with_no_evidence_is_expected_to_earn_what_the_depth_above_earns():
+    """Only first nodes were ever verified, and 3 in 10 kept: a deep chain is priced at their ratio, not at 1
+    (a prior of 1 per depth let 8-deep chains of recorded values near 0.99 through, and none was kept)."""
+    policy = half_step_rows()
+    for i in range(20):
+        policy.observe_recycled(depths=[1], values=[0.9], kept=[i % 10 < 3])
+    first = policy.recycled.ratio(1)
+    assert first == pytest.approx((6 + 4) / (18 + 4))  # kept + prior over predicted + prior
+    assert [policy.recycled.ratio(d) for d in (2, 3, 4, 9)] == pytest.approx([first] * 4)
+    chain, depths = [0.99] * 8, list(range(1, 9))
+    assert policy.recycled_nodes(chain, depths, base_nodes=0, base_expected=1.0, layers=False) == 0
+    # Evidence at a depth still counts: deep nodes that were kept more than their parents' ratio earn more.
+    for _ in range(20):
+        policy.observe_recycled(depths=[2], values=[0.5], kept=[True])
+    assert policy.recycled.ratio(2) > first
+
+
+def test_written_off_recycling_fades_back_slowly_in_rounds_without_recycled_nodes():
+    """The calibration fades by `IDLE_DECAY`, not `DECAY`, in a round that verified no recycled node: a written-off
+    source is tried again, but not every few dozen rounds."""
+    policy = half_step_rows()
+    one = {"values": [0.99], "depths": [1], "base_nodes": 0, "base_expected": 1.0, "layers": False}
+    assert policy.recycled_nodes(**one) == 1  # at the prior
+    for _ in range(30):
+        policy.observe_recycled(depths=[1], values=[0.95], kept=[False])
+        policy.observe(Draft([0], None, [], source="recycled", recycled=(0.95,)), 0, draft_seconds=0.0,
+                       verify_seconds=1.0, width=2)
+    assert policy.recycled_nodes(**one) == 0
+    idle = Draft([], None, [])  # a plain step: no draft
+    retried = None
+    for rounds in range(1, 400):
+        policy.observe(idle, 0, draft_seconds=0.0, verify_seconds=1.0, width=1)
+        policy.begin_round(8)
+        if policy.recycled_nodes(**one):
+            retried = rounds
+            break
+    # At DECAY a round the evidence would have halved within 35 rounds and the node been tried at about 85.
+    assert retried is not None and 150 < retried < 200
 
 
 def test_a_linear_cost_profile_drafts_no_recycled_tree():
