@@ -204,15 +204,20 @@ def test_the_cost_policy_sizes_recycled_trees():
     assert sloped.recycled_nodes([0.9, 0.1, 0.01], [1, 1, 1], base_nodes=0, base_expected=1.0, layers=False) == 1
 
 
+def half_step_rows() -> CostPolicy:
+    """A cost policy on a CPU where a wide pass is dear: each extra row costs half a plain step."""
+    plan = selfspec.DraftPlan(recycle=True, tree=16, draft_length=8)
+    policy = CostPolicy(plan, RuntimeCosts(PassCosts(verify=tuple(1 + 0.5 * q for q in range(17)), draft_step=0.5,
+                                                     num_layers=4), learn=False))
+    policy.begin_round(8)
+    return policy
+
+
 def test_recycled_nodes_are_calibrated_per_depth():
     """Chains of recorded probabilities near 1 whose first node is often rejected: the deep nodes are written
     down by what deep nodes earned, the first by what first nodes earned (one ratio for all let them through)."""
-    plan = selfspec.DraftPlan(recycle=True, tree=16, draft_length=8)
-    # Each extra row costs half a step (a CPU where a wide pass is dear).
-    policy = CostPolicy(plan, RuntimeCosts(PassCosts(verify=tuple(1 + 0.5 * q for q in range(17)), draft_step=0.5,
-                                                     num_layers=4), learn=False))
+    policy = half_step_rows()
     chain, depths = [0.99] * 8, list(range(1, 9))
-    policy.begin_round(8)
     assert policy.recycled_nodes(chain, depths, base_nodes=0, base_expected=1.0, layers=False) == 8  # believed
     for round_ in range(60):  # the first node kept 3 rounds in 5; nothing deeper ever
         first = round_ % 5 < 3
@@ -221,15 +226,6 @@ def test_recycled_nodes_are_calibrated_per_depth():
     assert policy.recycled.ratio(4) == pytest.approx(0.25)  # the floor
     policy.begin_round(8)
     assert policy.recycled_nodes(chain, depths, base_nodes=0, base_expected=1.0, layers=False) == 1
-
-
-def half_step_rows() -> CostPolicy:
-    """A cost policy on a CPU where a wide pass is dear: each extra row costs half a plain step."""
-    plan = selfspec.DraftPlan(recycle=True, tree=16, draft_length=8)
-    policy = CostPolicy(plan, RuntimeCosts(PassCosts(verify=tuple(1 + 0.5 * q for q in range(17)), draft_step=0.5,
-                                                     num_layers=4), learn=False))
-    policy.begin_round(8)
-    return policy
 
 
 def test_a_depth_with_no_evidence_is_expected_to_earn_what_the_depth_above_earns():
