@@ -133,8 +133,8 @@ class AutoLayers:
         about a plain step, as on an AVX2-only CPU in bfloat16), both happen
         every `IDLE_EVERY` rounds: a probed pass's per-layer reductions cost
         about 1-2 ms on 2 CPU cores for SmolLM2's 30 layers, and the choice
-        0.2 ms: every fourth round, 1-2% of the time of an auto plan whose
-        layers never drafted.
+        0.5 ms: every fourth round, about 2% of the time of an auto plan
+        whose layers never drafted.
         """
         choose_every, probe_every = (CHOOSE_EVERY, PROBE_EVERY) if self.layers_pay else (IDLE_EVERY, IDLE_EVERY)
         if self.rounds % choose_every == 0:
