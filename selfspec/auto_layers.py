@@ -24,8 +24,7 @@ Two signals, both already at hand:
   follow the budget, not the exact set: as the ranking moves, a budget's set
   may trade a layer, and it keeps what the budget learned instead of being
   tried afresh at the optimistic prior. When no set beats plain steps the
-  cost policy drafts nothing from the layers, and the passes report layer
-  changes and the set is re-chosen only every `IDLE_EVERY` rounds.
+  cost policy drafts nothing from the layers.
 
 Changing the set between rounds is free: a verify pass writes every layer's
 entries, so at the top of a round every layer holds the target's entries for
@@ -52,7 +51,6 @@ from .plan import auto_reference_layers
 BUDGET_FRACTIONS = (0.5, 0.67, 0.83)  # candidate layer budgets, as fractions of the layer count (and N - 1)
 PROBE_EVERY = 4  # rounds between verify passes that report layer changes
 CHOOSE_EVERY = 4  # rounds between choices of the layer set
-IDLE_EVERY = 16  # ... both, while no layer set is predicted to beat plain steps
 INFLUENCE_DECAY = 0.8  # weight of the past in the per-layer moving average
 
 
@@ -118,7 +116,6 @@ class AutoLayers:
         self.influence = LayerInfluence(self.num_layers, device)
         self.probe_verify = probe_verify  # False on CUDA graphs: their verify passes replay, unobserved
         self.rounds = 0
-        self.layers_pay = True  # whether the last choice found a set predicted to beat plain steps
         self.history: list[tuple[int, tuple[int, ...]]] = []  # (round, layers) each time the set changed
         passes.probe = self.influence  # the prefill reports every layer
 
@@ -127,19 +124,10 @@ class AutoLayers:
 
     def before_round(self, policy) -> None:
         """At the top of a round: every few rounds re-pick the set, and say whether this round's verify pass
-        reports layer changes.
-
-        While no set is predicted to beat plain steps (a draft step costs
-        about a plain step, as on an AVX2-only CPU in bfloat16), both happen
-        every `IDLE_EVERY` rounds: a probed pass's per-layer reductions cost
-        about 1-2 ms on 2 CPU cores for SmolLM2's 30 layers, and the choice
-        0.5 ms: every fourth round, about 2% of the time of an auto plan
-        whose layers never drafted.
-        """
-        choose_every, probe_every = (CHOOSE_EVERY, PROBE_EVERY) if self.layers_pay else (IDLE_EVERY, IDLE_EVERY)
-        if self.rounds % choose_every == 0:
+        reports layer changes."""
+        if self.rounds % CHOOSE_EVERY == 0:
             self.choose(policy)
-        self.passes.probe = self.influence if self.probe_verify and self.rounds % probe_every == 0 else None
+        self.passes.probe = self.influence if self.probe_verify and self.rounds % PROBE_EVERY == 0 else None
         self.rounds += 1
 
     def choose(self, policy) -> None:
@@ -153,7 +141,6 @@ class AutoLayers:
                 best, best_rate = layers, rate
             if not policy.layer_set_tried(budget) and rate > plain * (1 + 1e-9):
                 explore = layers  # the largest untried budget that would pay at its prior: what it shows caps the rest
-        self.layers_pay = explore is not None or best_rate > plain * (1 + 1e-9)
         best = explore or best
         if best != self.drafter.draft_layers or not self.history:
             self.use(best, policy)

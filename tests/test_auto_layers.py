@@ -17,7 +17,7 @@ import torch
 
 import selfspec
 from plan_strategies import assert_same
-from selfspec.auto_layers import IDLE_EVERY, PROBE_EVERY, AutoLayers, LayerInfluence, candidate_budgets, exact_prefix, layers_for
+from selfspec.auto_layers import AutoLayers, LayerInfluence, candidate_budgets, exact_prefix, layers_for
 from selfspec.costs import PassCosts, RuntimeCosts
 from selfspec.draft import Draft, Drafter
 from selfspec.passes import TargetPasses
@@ -202,33 +202,6 @@ def test_graphs_step_probes_only_the_prefill(monkeypatch):
     ref = model.generate(prompt, do_sample=False, max_new_tokens=30)
     assert_same(spec.generate(prompt, max_new_tokens=30), ref, "auto, prefill probe only")
     assert all(probed[0].influence.seen)  # the prefill reported every layer
-
-
-def test_verify_passes_report_layers_rarely_while_no_layer_set_pays(monkeypatch):
-    """Where a drafted token costs what it could bring (a linear profile: no layer set beats plain steps), the
-    set is re-chosen and a verify pass reports its layers every `IDLE_EVERY` rounds, not every 4: the report
-    costs 1-2 ms of small reductions a pass on a CPU. Where layers pay (flat, at the prior), every 4 rounds,
-    until the random model's rejections write them off."""
-    probed, original = [], AutoLayers.before_round
-
-    def recording(self, policy):
-        original(self, policy)
-        probed.append(self.passes.probe is not None)
-
-    monkeypatch.setattr(AutoLayers, "before_round", recording)
-    model = tiny_model("llama")
-    prompt = random_prompt(12, seed=9)  # little to copy: most rounds are layer rounds or plain steps
-    ref = model.generate(prompt, do_sample=False, max_new_tokens=48)
-    rounds_probed = {}
-    for costs in ("linear", "flat"):
-        probed.clear()
-        spec = selfspec.wrap(model, plan=AUTO, costs=costs)
-        assert_same(spec.generate(prompt, max_new_tokens=48), ref, f"auto, costs={costs}")
-        assert len(probed) > 2 * IDLE_EVERY
-        rounds_probed[costs] = ([i for i, p in enumerate(probed) if p], len(probed))
-    found, rounds = rounds_probed["linear"]
-    assert found == list(range(0, rounds, IDLE_EVERY))
-    assert rounds_probed["flat"][0][:3] == [0, PROBE_EVERY, 2 * PROBE_EVERY]
 
 
 def test_plan_field_json_and_strings():
