@@ -39,7 +39,7 @@ from .plan import DraftPlan
 CONFIDENCE_BINS = 10
 POSITION_BUCKETS = 4  # draft positions 1, 2, 3, 4+
 DECAY = 0.98  # per round: old evidence fades, so a source written off is tried again later
-IDLE_DECAY = 0.99  # ... the layer (recycled) estimates, in a round without a layer draft (recycled node)
+IDLE_DECAY = 0.99  # ... the layer (recycled-node) estimates, in a round that drafted no layer token (recycled node)
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind the prior acceptance
 TREE_SLACK = 0.05  # a tree may widen the verify pass while it costs at most this much more than the chain's
 SHRINK = 2.0  # pseudo-observations pulling a (position, confidence) cell toward its position's rate
@@ -167,10 +167,15 @@ class DepthCalibration:
 
     def ratio(self, depth: int) -> float:
         """The share of a node's value expected to be earned at tree `depth` (1: a child of the root)."""
-        ratio = 1.0
-        for calibration in self.depths[: _bucket(depth) + 1]:
-            ratio = calibration.estimate(ratio)
-        return ratio
+        return self.ratios()[_bucket(depth)]
+
+    def ratios(self) -> list[float]:
+        """`ratio` per depth bucket (1, 2, 3, 4+), each the prior of the next."""
+        ratios, prior = [], 1.0
+        for calibration in self.depths:
+            prior = calibration.estimate(prior)
+            ratios.append(prior)
+        return ratios
 
     def observe(self, *, depths: Sequence[int], values: Sequence[float], kept: Sequence[bool]) -> None:
         """Verified recycled nodes at `depths` with `values`; `kept[i]`: node i lies on the kept path."""
@@ -370,9 +375,9 @@ class CostPolicy:
         best_m, best_rate = 0, base_expected / self.costs.verify(base_nodes + 1)
         if not base_nodes and layers:
             best_rate = max(best_rate, self.layer_draft_rate())
-        gained = base_expected
+        gained, ratios = base_expected, self.recycled.ratios()
         for m, (value, depth) in enumerate(zip(values, depths, strict=True), 1):
-            gained += self.recycled.ratio(depth) * value
+            gained += ratios[_bucket(depth)] * value
             rate = gained / self.costs.verify(base_nodes + m + 1)
             if rate > best_rate * (1 + 1e-9):
                 best_m, best_rate = m, rate
