@@ -41,7 +41,6 @@ This module chooses layers; it does not run them (`runner.py`), verify or accept
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .draft import Drafter
 from .memory import parameter_bytes
@@ -55,22 +54,70 @@ INFLUENCE_DECAY = 0.8  # weight of the past in the per-layer moving average
 
 
 class LayerInfluence:
-    """Per layer, a moving average of 1 - cos(input, output) over the rows of the target's passes."""
+    """Per layer, a moving average of 1 - cos(input, output) over the rows of the target's passes.
+
+    A pass's reports are held (references, no copies) and reduced together
+    when its last layer reports: a handful of batched ops per pass rather
+    than several per layer (measured alone, AVX512 CPU, 2 cores, 30 layers of
+    576: 0.13-0.25 ms per pass of 1-9 rows, where one reduction per layer
+    took 0.84-0.94 ms).
+    """
 
     def __init__(self, num_layers: int, device: torch.device) -> None:
-        self.change = torch.zeros(num_layers, device=device)  # [layers]
-        self.seen = [False] * num_layers
+        self.num_layers = num_layers
+        self._change = torch.zeros(num_layers, device=device)  # [layers]
+        self._seen = torch.zeros(num_layers, dtype=torch.bool, device=device)  # [layers]
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (before, after), this pass
         self.ranked: list[int] | None = None  # the last ranking, until a pass reports again
 
     def __call__(self, layer: int, before: torch.Tensor, after: torch.Tensor) -> None:
         """Record a layer's effect on its rows: `before`, `after` `[1, q, hidden]` (on the device, no sync)."""
-        change = 1.0 - F.cosine_similarity(before.float(), after.float(), dim=-1).mean()
+        if layer in self.pending:  # a second report before the pass ended: the first one counts first
+            self.flush()
+        self.pending[layer] = (before, after)
         self.ranked = None
-        if self.seen[layer]:
-            self.change[layer].lerp_(change, 1.0 - INFLUENCE_DECAY)
-        else:
-            self.change[layer] = change
-            self.seen[layer] = True
+        if layer == self.num_layers - 1:  # every target pass ends with the last layer
+            self.flush()
+
+    def flush(self) -> None:
+        """Fold the held reports into the averages: one reduction per row count (the exact prefix may run 1 row)."""
+        if not self.pending:
+            return
+        by_rows: dict[tuple, list[int]] = {}
+        for layer, (before, _) in self.pending.items():
+            by_rows.setdefault(tuple(before.shape), []).append(layer)
+        layers, changes = [], []
+        for group in by_rows.values():
+            before = torch.stack([self.pending[i][0] for i in group]).float()  # [n, 1, q, hidden]
+            after = torch.stack([self.pending[i][1] for i in group]).float()  # [n, 1, q, hidden]
+            # cos by hand: F.cosine_similarity over [30, 1, 9, 576] took 0.6 ms on 2 cores, this 0.05 ms
+            cos = (before * after).sum(-1) / (before.norm(dim=-1) * after.norm(dim=-1)).clamp_min(1e-8)  # [n, 1, q]
+            changes.append(1.0 - cos.mean(dim=(1, 2)))  # [n]
+            layers += group
+        self.pending.clear()
+        index = torch.tensor(layers, device=self._change.device)  # [m]
+        change = torch.cat(changes)  # [m]
+        past = self._change[index]
+        self._change[index] = torch.where(self._seen[index], past.lerp(change, 1.0 - INFLUENCE_DECAY), change)
+        self._seen[index] = True
+
+    @property
+    def change(self) -> torch.Tensor:
+        """`[layers]` the moving averages, with every report so far folded in."""
+        self.flush()
+        return self._change
+
+    @change.setter
+    def change(self, values: torch.Tensor) -> None:
+        self.pending.clear()
+        self._change = values
+        self.ranked = None
+
+    @property
+    def seen(self) -> list[bool]:
+        """Per layer, whether any pass has reported it."""
+        self.flush()
+        return self._seen.tolist()
 
     def ranking(self) -> list[int]:
         """Layers, the ones that change the hidden state most first (one read back, when passes reported since)."""

@@ -17,7 +17,7 @@ import torch
 
 import selfspec
 from plan_strategies import assert_same
-from selfspec.auto_layers import AutoLayers, LayerInfluence, candidate_budgets, exact_prefix, layers_for
+from selfspec.auto_layers import INFLUENCE_DECAY, AutoLayers, LayerInfluence, candidate_budgets, exact_prefix, layers_for
 from selfspec.costs import PassCosts, RuntimeCosts
 from selfspec.draft import Draft, Drafter
 from selfspec.passes import TargetPasses
@@ -59,6 +59,31 @@ def test_influence_ranks_a_layer_that_changes_nothing_last():
     influence(1, x, -x)  # a moving average: one report moves layer 1 up, not to the top
     change = influence.change.tolist()
     assert 0 < change[1] < change[2] and influence.ranking()[0] == 2
+
+
+def test_influence_folds_a_pass_at_once_as_one_report_per_layer_would():
+    """Reports are held until the pass's last layer and reduced together; the averages equal the
+    per-layer rule, with the exact prefix's 1-row reports and the rest's wider ones in one pass, and a
+    layer reported twice before a pass ends counted in order."""
+    gen = torch.Generator().manual_seed(1)
+    influence, expected = LayerInfluence(4, torch.device("cpu")), [None] * 4
+
+    def report(layer: int, rows: int) -> None:
+        before, after = torch.randn(2, 1, rows, 8, generator=gen).to(torch.bfloat16)
+        influence(layer, before, after)
+        change = 1.0 - torch.nn.functional.cosine_similarity(before.float(), after.float(), dim=-1).mean().item()
+        past = expected[layer]
+        expected[layer] = change if past is None else past + (change - past) * (1.0 - INFLUENCE_DECAY)
+
+    for layer in range(4):  # the prefill: 6 rows
+        report(layer, 6)
+    assert not influence.pending  # the last layer ended the pass
+    report(0, 1), report(1, 1)  # a verify pass: the exact prefix runs the last token only...
+    report(2, 4), report(2, 4)  # ...(layer 2 twice: the first report counts first)...
+    report(3, 4)  # ...the rest its 4 rows
+    report(1, 3)  # a report not yet folded in: reading the averages folds it
+    assert influence.change.tolist() == pytest.approx(expected, abs=1e-5)
+    assert influence.seen == [True] * 4 and not influence.pending
 
 
 def policy_with(costs: PassCosts) -> CostPolicy:
