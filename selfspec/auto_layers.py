@@ -51,6 +51,7 @@ BUDGET_FRACTIONS = (0.5, 0.67, 0.83)  # candidate layer budgets, as fractions of
 PROBE_EVERY = 4  # rounds between verify passes that report layer changes
 CHOOSE_EVERY = 4  # rounds between choices of the layer set
 INFLUENCE_DECAY = 0.8  # weight of the past in the per-layer moving average
+HOLD_ELEMENTS = 1 << 18  # layer reports held for one batched reduction, at most (values of their inputs)
 
 
 class LayerInfluence:
@@ -60,7 +61,9 @@ class LayerInfluence:
     when its last layer reports: a handful of batched ops per pass rather
     than several per layer (measured alone, AVX512 CPU, 2 cores, 30 layers of
     576: 0.13-0.25 ms per pass of 1-9 rows, where one reduction per layer
-    took 0.84-0.94 ms).
+    took 0.84-0.94 ms). Reports are folded in sooner once they hold
+    `HOLD_ELEMENTS` values, so a long prompt's prefill is reduced layer by
+    layer, as it runs, and holds no layer's states longer than that.
     """
 
     def __init__(self, num_layers: int, device: torch.device) -> None:
@@ -68,6 +71,7 @@ class LayerInfluence:
         self._change = torch.zeros(num_layers, device=device)  # [layers]
         self._seen = torch.zeros(num_layers, dtype=torch.bool, device=device)  # [layers]
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (before, after), this pass
+        self.held = 0  # values in `pending`'s `before` tensors
         self.ranked: list[int] | None = None  # the last ranking, until a pass reports again
 
     def __call__(self, layer: int, before: torch.Tensor, after: torch.Tensor) -> None:
@@ -75,8 +79,9 @@ class LayerInfluence:
         if layer in self.pending:  # a second report before the pass ended: the first one counts first
             self.flush()
         self.pending[layer] = (before, after)
+        self.held += before.numel()
         self.ranked = None
-        if layer == self.num_layers - 1:  # every target pass ends with the last layer
+        if layer == self.num_layers - 1 or self.held >= HOLD_ELEMENTS:  # every target pass ends with the last layer
             self.flush()
 
     def flush(self) -> None:
@@ -95,6 +100,7 @@ class LayerInfluence:
             changes.append(1.0 - cos.mean(dim=(1, 2)))  # [n]
             layers += group
         self.pending.clear()
+        self.held = 0
         index = torch.tensor(layers, device=self._change.device)  # [m]
         change = torch.cat(changes)  # [m]
         past = self._change[index]
@@ -110,6 +116,7 @@ class LayerInfluence:
     @change.setter
     def change(self, values: torch.Tensor) -> None:
         self.pending.clear()
+        self.held = 0
         self._change = values
         self.ranked = None
 

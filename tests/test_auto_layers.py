@@ -17,7 +17,7 @@ import torch
 
 import selfspec
 from plan_strategies import assert_same
-from selfspec.auto_layers import INFLUENCE_DECAY, AutoLayers, LayerInfluence, candidate_budgets, exact_prefix, layers_for
+from selfspec.auto_layers import HOLD_ELEMENTS, INFLUENCE_DECAY, AutoLayers, LayerInfluence, candidate_budgets, exact_prefix, layers_for
 from selfspec.costs import PassCosts, RuntimeCosts
 from selfspec.draft import Draft, Drafter
 from selfspec.passes import TargetPasses
@@ -84,6 +84,8 @@ def test_influence_folds_a_pass_at_once_as_one_report_per_layer_would():
     report(1, 3)  # a report not yet folded in: reading the averages folds it
     assert influence.change.tolist() == pytest.approx(expected, abs=1e-5)
     assert influence.seen == [True] * 4 and not influence.pending
+    report(0, HOLD_ELEMENTS // 8)  # a long prompt's layer: folded in as it runs, not held to the pass's end
+    assert not influence.pending and influence.change.tolist() == pytest.approx(expected, abs=1e-5)
 
 
 def policy_with(costs: PassCosts) -> CostPolicy:
