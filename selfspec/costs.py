@@ -56,6 +56,7 @@ LONG_CONTEXT = 1024  # ... and a second time: how a pass's cost grows with the c
 PASS_KERNELS = 5
 FLAT_UP_TO = 16  # the "flat" profile: a pass over up to this many tokens costs one step
 SHAPE_SLACK = 1.2  # how far one width's runtime correction may stray from its context band's (`RuntimeCosts.ratio`)
+STEP_FLOOR = 0.5  # at runtime a wider pass costs at least the narrower one plus this share of the table's extra
 
 
 def long_context(max_positions: int | None, max_width: int) -> int:
@@ -427,10 +428,16 @@ class RuntimeCosts:
         bound, a burst of load on the few rounds of one width could price it
         out for good: a width thought too dear is never drafted, so never
         observed again, and the refined table carries it to the next process.
-        Then each width costs at least the narrower one plus what the table
-        says the extra tokens add (at the band's ratio): without that, a
-        width whose rounds happened to run fast would look as cheap as a
-        narrower one, and the policy would widen every pass to it for free.
+        Then each width costs at least the narrower one plus `STEP_FLOOR` of
+        what the table says the extra tokens add (at the band's ratio):
+        without that, a width whose rounds happened to run fast would look
+        as cheap as a narrower one, and the policy would widen every pass to
+        it for free. Only a share: the table's steps are timed too, and with
+        the whole step as the floor a step it overstated stayed overstated
+        however the rounds ran (measured, SmolLM2 bfloat16 under AVX2
+        kernels: a table that timed 2 tokens at 1.72 plain steps priced them
+        there for good while the rounds ran them at 1.5, so the plan rarely
+        verified an n-gram pair, and its refined table kept the error).
         """
         general = self.medians.get(band, self.overall)
         shape = self.table.verify  # seconds per width at the table's context: the measured shape
@@ -440,7 +447,7 @@ class RuntimeCosts:
             ratio = general if own is None else min(max(own, general / SHAPE_SLACK), general * SHAPE_SLACK)
             if ratios:
                 narrower = shape[q - 2] * ratios[-1]
-                ratio = max(ratio, (narrower + general * (seconds - shape[q - 2])) / seconds)
+                ratio = max(ratio, (narrower + STEP_FLOOR * general * (seconds - shape[q - 2])) / seconds)
             ratios.append(ratio)
         return tuple(ratios)
 

@@ -176,12 +176,26 @@ def test_corrected_costs_stay_a_cost_curve():
     general = costs.ratio(1, None)
     assert general == pytest.approx(1.0)
     assert costs.verify(2) == pytest.approx(1.1 * selfspec.costs.SHAPE_SLACK)  # dearer, within the slack
-    assert costs.verify(3) == pytest.approx(costs.verify(2) + 0.1)  # not cheaper: width 2's cost + the table's step
-    assert costs.verify(4) == pytest.approx(costs.verify(3) + 0.1)
+    step = selfspec.costs.STEP_FLOOR * 0.1
+    assert costs.verify(3) == pytest.approx(costs.verify(2) + step)  # not cheaper: width 2's + part of the table's step
+    assert costs.verify(4) == pytest.approx(costs.verify(3) + step)
     widths = [costs.verify(q) for q in range(1, 5)]
     assert widths == sorted(widths)
     refined = costs.refined()
     assert list(refined.verify) == pytest.approx(widths)
+
+
+def test_a_step_the_table_overstated_is_learned_from_the_rounds():
+    """The table timed 2 tokens at 1.72 plain steps; the rounds run them at 1.5. After a window of rounds
+    width 2 is priced as they ran, and the refined table carries that on, not the table's step."""
+    table = PassCosts((1.0, 1.72, 2.2, 2.7), 0.2, 6)
+    costs = RuntimeCosts(table)
+    for _ in range(RuntimeCosts.WINDOW):
+        costs.observe_verify(1, 0, 1.05)
+        costs.observe_verify(2, 0, 1.5)
+    assert costs.verify(2) == pytest.approx(1.5)
+    assert costs.refined().verify[1] == pytest.approx(1.5)
+    assert costs.verify(2) - costs.verify(1) >= selfspec.costs.STEP_FLOOR * 0.72  # widening is still not free
 
 
 def test_cost_table_rejects_nonsense_and_round_trips():
