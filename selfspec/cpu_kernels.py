@@ -24,17 +24,26 @@ everywhere on some CPUs:
   (AVX512 CPU, float32, SmolLM2's layers: 13 ms against 37 ms for 2 rows)
   and slower on others (the same CPU in bfloat16); and on some CPUs oneDNN's
   matmul, over the same weight in place, beats it at every row count (an
-  AMD EPYC in float32: half the time, prefills included). `measure_linear_kernels`
-  times each kernel that runs here on the model's own weights for row counts
-  1..256 and keeps the fastest where it beats `F.linear` by 5%.
+  AMD EPYC in float32: half the time, prefills included). And where torch
+  hands a 16-bit GEMM to oneDNN, torch's own GEMM may stream the weights
+  faster for one or two rows (`aten`: the same call with oneDNN switched
+  off for it; an AMD EPYC with AVX512-BF16, SmolLM2 in bfloat16: a plain
+  step 24 ms against 39 ms, while from 4 rows on oneDNN wins).
+  `measure_linear_kernels` times each kernel that runs here on the model's
+  own weights for row counts 1..256 and keeps the fastest where it beats
+  `F.linear` by 5%.
 
 Both are installed while a thread is inside `cpu_kernels(...)`: the
 functions transformers calls (`torch.nn.functional.linear` and its "sdpa"
 attention entry) are swapped process-wide while any thread is inside, and
 dispatch on that thread's choice, so a call from elsewhere (another
-thread's `model.generate`) runs the original functions. Both compute the
-same sums in another order, in the precision sdpa keeps them (float rounding
-apart; greedy equality with `model.generate` is exact in float64).
+thread's `model.generate`) runs the original functions. oneDNN's switch is
+process-wide too: while a thread's `aten` call has it off, every other
+linear call waits (they all pass through the swapped function), but another
+thread's matmul outside a linear layer may then run torch's GEMM (the same
+sums, rounded in another order). All compute the same sums in another
+order, in the precision sdpa keeps them (float rounding apart; greedy
+equality with `model.generate` is exact in float64).
 
 This module does not know plans, caches or when a pass is worth running.
 """
@@ -58,8 +67,9 @@ _linear = torch.nn.functional.linear  # F.linear as this module found it: what "
 LINEAR_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 # Another kernel must beat transformers' `F.linear` by this fraction to be kept (timing noise).
 KERNEL_MARGIN = 0.05
-# What a linear layer may run as: transformers' F.linear (the BLAS's x W^T), (W x^T)^T, or oneDNN's matmul.
-LINEAR_KERNELS = ("linear", "transposed", "onednn")
+# What a linear layer may run as: transformers' F.linear (the BLAS's x W^T), (W x^T)^T, oneDNN's matmul, or
+# F.linear with oneDNN switched off (torch's own GEMM where torch would hand a 16-bit one to oneDNN).
+LINEAR_KERNELS = ("linear", "transposed", "onednn", "aten")
 # Attention options that change what is computed (a score cap, a position bias, attention sinks): a pass with
 # any of them goes to transformers' own function.
 CHANGED_ATTENTION = ("softcap", "position_bias", "s_aux", "sinks")
@@ -109,7 +119,7 @@ class LinearKernels:
 
 
 NO_CHANGE = LinearKernels()
-KERNEL_NAMES = {"linear": "F.linear", "transposed": "(W x^T)^T", "onednn": "oneDNN"}
+KERNEL_NAMES = {"linear": "F.linear", "transposed": "(W x^T)^T", "onednn": "oneDNN", "aten": "F.linear, oneDNN off"}
 
 
 def plain_tensor(weight) -> bool:
@@ -162,7 +172,31 @@ def onednn_usable(weight: torch.Tensor) -> bool:
     return bool((out.double() - reference).abs().max() <= tolerance * reference.abs().max().clamp_min(1e-30))
 
 
-KERNELS = {"linear": _linear, "transposed": transposed_linear, "onednn": onednn_linear}
+_switch = threading.Lock()  # held while a thread has oneDNN switched off (`aten_linear`)
+_aten_threads = 0  # threads inside `cpu_kernels` whose choice runs `aten_linear` somewhere (under `_lock`)
+
+
+def aten_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` with oneDNN switched off for the call: where torch would hand a 16-bit GEMM
+    to oneDNN, its own GEMM runs it (the same sums in another order). The switch is process-wide: it is held
+    under `_switch`, which the swapped `F.linear` of every other thread waits on."""
+    with _switch:
+        was = torch._C._get_mkldnn_enabled()
+        torch._C._set_mkldnn_enabled(False)
+        try:
+            return _linear(x, weight, bias)
+        finally:
+            torch._C._set_mkldnn_enabled(was)
+
+
+def aten_differs(weight: torch.Tensor) -> bool:
+    """Whether switching oneDNN off can change how F.linear runs for this weight: a 16-bit float on a CPU whose
+    torch has oneDNN, switched on (float32 goes to the BLAS either way; timing it again would only add noise)."""
+    return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
+            and torch.backends.mkldnn.is_available() and torch._C._get_mkldnn_enabled())
+
+
+KERNELS = {"linear": _linear, "transposed": transposed_linear, "onednn": onednn_linear, "aten": aten_linear}
 
 
 def measure_linear_kernels(modules: list[nn.Module], *, repeats: int = 3) -> LinearKernels:
@@ -173,7 +207,8 @@ def measure_linear_kernels(modules: list[nn.Module], *, repeats: int = 3) -> Lin
     if not linears:
         return NO_CHANGE
     device, dtype = linears[0].weight.device, linears[0].weight.dtype
-    kernels = [k for k in LINEAR_KERNELS if k != "onednn" or onednn_usable(linears[0].weight)]
+    usable = {"onednn": onednn_usable(linears[0].weight), "aten": aten_differs(linears[0].weight)}
+    kernels = [k for k in LINEAR_KERNELS if usable.get(k, True)]
     generator = torch.Generator().manual_seed(0)
     inputs = {m: {n: torch.randn(m, n, generator=generator).to(device, dtype)
                   for n in {int(layer.in_features) for layer in linears}} for m in LINEAR_ROWS}
@@ -206,11 +241,22 @@ def chosen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     a pass: the common case, F.linear, is decided first)."""
     choice = getattr(_state, "linear", NO_CHANGE)
     kernel = choice(x.numel() // x.shape[-1]) if x.dim() >= 2 and x.shape[-1] else "linear"
-    if kernel == "linear" or x.device.type != "cpu" or x.dtype != weight.dtype or not plain_tensor(weight):
-        return _linear(x, weight, bias)
+    if x.device.type != "cpu" or x.dtype != weight.dtype or not plain_tensor(weight):
+        kernel = "linear"
+    if kernel == "aten":
+        return aten_linear(x, weight, bias)
+    if _aten_threads:  # some thread may switch oneDNN off (`aten_linear`): not in the middle of this call
+        with _switch:
+            return run_linear(kernel, x, weight, bias)
+    return run_linear(kernel, x, weight, bias)
+
+
+def run_linear(kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` by `kernel` ("linear", "transposed" or "onednn"; oneDNN's op has no backward: F.linear's then)."""
     if kernel == "transposed":
         return transposed_linear(x, weight, bias)
-    if (weight.dtype in ONEDNN_DTYPES and weight.is_contiguous() and (bias is None or bias.dtype == weight.dtype)
+    if (kernel == "onednn" and weight.dtype in ONEDNN_DTYPES and weight.is_contiguous()
+            and (bias is None or bias.dtype == weight.dtype)
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return onednn_linear(x, weight, bias)
     return _linear(x, weight, bias)
@@ -390,7 +436,7 @@ def cpu_kernels(*, attention: AttentionKernels | None = None, linear: LinearKern
     """Within: this thread's passes use the attention (`attention`) and linear kernels (`linear`) chosen;
     None keeps the enclosing choice. Nests; restores the thread's choice and, when the last thread leaves,
     the original functions. Choosing nothing swaps nothing."""
-    global _inside, _attention_before, _attention_original
+    global _inside, _attention_before, _attention_original, _aten_threads
     # Imported here: transformers' modeling_utils loads its quantization back ends (and their warnings) on import.
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -411,6 +457,8 @@ def cpu_kernels(*, attention: AttentionKernels | None = None, linear: LinearKern
             ALL_ATTENTION_FUNCTIONS["sdpa"] = chosen_attention
             torch.nn.functional.linear = chosen_linear
         _inside += 1
+        aten = "aten" in chosen[1].kernels
+        _aten_threads += aten
     _state.attention, _state.linear = chosen
     try:
         yield
@@ -418,6 +466,7 @@ def cpu_kernels(*, attention: AttentionKernels | None = None, linear: LinearKern
         _state.attention, _state.linear = saved
         with _lock:
             _inside -= 1
+            _aten_threads -= aten
             if _inside == 0:
                 torch.nn.functional.linear = _linear
                 had, entry = _attention_before

@@ -39,7 +39,7 @@ from .costs import (
     measure_pass_costs,
     save_costs,
 )
-from .cpu_kernels import (NO_ATTENTION_CHANGE, NO_CHANGE, AttentionKernels, LinearKernels, cpu_kernels,
+from .cpu_kernels import (LINEAR_KERNELS, NO_ATTENTION_CHANGE, NO_CHANGE, AttentionKernels, LinearKernels, cpu_kernels,
                           measure_attention_kernels, measure_linear_kernels)
 from .draft import Draft, Drafter
 from .head import ExitHead, load_head
@@ -301,7 +301,8 @@ class SelfSpecModel:
             return NO_CHANGE
         threads = torch.get_num_threads()
         if threads not in self.linear_choices:
-            key = cache_key(kind="linear kernels", model=model_identity(self.model, self.parts),
+            key = cache_key(kind="linear kernels", candidates=list(LINEAR_KERNELS),  # a new kernel: timed afresh
+                            model=model_identity(self.model, self.parts),
                             dtype=str(self.parts.dtype), threads=threads, machine=machine_description(self.parts.device))
             modules = [*self.parts.layers.modules(), self.parts.lm_head]
             folder = costs_cache_dir()  # beside the cost tables, in a folder of its own

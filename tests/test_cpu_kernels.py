@@ -4,6 +4,7 @@ chose it, and greedy output stays token-identical to `model.generate`."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -208,25 +209,82 @@ def test_measuring_times_the_plain_linear_layers_with_every_kernel_that_runs(mon
     monkeypatch.setattr(cpu_kernels, "fastest", lambda runs, **kw: timed.extend(runs) or real(runs, **kw))
     choice = measure_linear_kernels([*parts.layers.modules(), parts.lm_head], repeats=1)
     assert choice.rows == LINEAR_ROWS and set(choice.kernels) <= set(LINEAR_KERNELS)
-    assert {k for _, k in timed} == set(LINEAR_KERNELS)  # oneDNN runs float32 here: timed with the others
+    # oneDNN runs float32 here: timed with the others; switching it off changes nothing in float32 (the BLAS runs)
+    assert {k for _, k in timed} == {"linear", "transposed", "onednn"}
     assert measure_linear_kernels([parts.norm]) is NO_CHANGE  # no linear layer to time
     timed.clear()
     double = tiny_model("llama", dtype=torch.float64)
     measure_linear_kernels(list(double.modules()), repeats=1)
     assert {k for _, k in timed} == {"linear", "transposed"}  # float64: no oneDNN
+    timed.clear()
+    half = tiny_model("llama", dtype=torch.bfloat16)
+    measure_linear_kernels(list(half.modules()), repeats=1)
+    assert {k for _, k in timed} == set(LINEAR_KERNELS)  # bfloat16: torch hands it to oneDNN, or runs its own
+    timed.clear()
+    with onednn_switched_off():  # by the user: F.linear already runs torch's own
+        measure_linear_kernels(list(half.modules()), repeats=1)
+    assert {k for _, k in timed} == {"linear", "transposed", "onednn"}
+
+
+@contextlib.contextmanager
+def onednn_switched_off():
+    """oneDNN off, as `torch.backends.mkldnn.flags(enabled=False)` would (without its TF32 warning)."""
+    was = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(was)
+
+
+def test_aten_switches_onednn_off_for_its_call_alone_and_other_threads_wait(monkeypatch):
+    """`aten` runs F.linear with oneDNN off and puts the switch back as it was; another thread's F.linear, while
+    the functions are swapped, runs under the same lock, so never in the middle of that call."""
+    seen = []
+    real = cpu_kernels._linear
+
+    def recording(*args):
+        seen.append((threading.current_thread().name, torch._C._get_mkldnn_enabled(), cpu_kernels._switch.locked()))
+        return real(*args)
+
+    monkeypatch.setattr(cpu_kernels, "_linear", recording)
+    x, weight = torch.randn(1, 6, dtype=torch.bfloat16), torch.randn(3, 6, dtype=torch.bfloat16)
+    aten = LinearKernels((1,), ("aten",))
+    inside, done = threading.Event(), threading.Event()
+
+    def other() -> None:  # F.linear of a thread that chose nothing, while the main thread is inside
+        inside.wait(5)
+        torch.nn.functional.linear(x, weight)
+        done.set()
+
+    thread = threading.Thread(target=other, name="other")
+    thread.start()
+    with cpu_kernels.cpu_kernels(linear=aten):
+        torch.nn.functional.linear(x, weight)
+        inside.set()
+        assert done.wait(5)
+    thread.join()
+    main = threading.current_thread().name
+    assert seen == [(main, False, True), ("other", True, True)]
+    assert torch._C._get_mkldnn_enabled() and not cpu_kernels._aten_threads
+    seen.clear()
+    with onednn_switched_off():
+        cpu_kernels.aten_linear(x, weight)
+        assert not torch._C._get_mkldnn_enabled()  # put back as the caller had it
+    assert seen == [(main, False, True)] and torch.nn.functional.linear is not cpu_kernels.chosen_linear
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("kernel", ["transposed", "onednn"])
+@pytest.mark.parametrize("kernel", ["transposed", "onednn", "aten"])
 def test_greedy_output_stays_equal_with_every_pass_on_another_linear_kernel(arch, kernel, monkeypatch):
-    """Every linear layer of every pass (prefills included) transposed, in float64, or by oneDNN, in float32 (it
-    has no float64), with the attention kernels measured here: greedy output token-identical to `model.generate`, one sequence
-    (layer drafts and n-gram proposals) and a batch."""
+    """Every linear layer of every pass (prefills included) transposed or with oneDNN off, in float64, or by
+    oneDNN, in float32 (it has no float64), with the attention kernels measured here: greedy output
+    token-identical to `model.generate`, one sequence (layer drafts and n-gram proposals) and a batch."""
     ran = []
     name = f"{kernel}_linear"
     real = getattr(cpu_kernels, name)
     monkeypatch.setattr(cpu_kernels, name, lambda *a: ran.append(1) or real(*a))
-    model = tiny_model(arch, dtype=torch.float64 if kernel == "transposed" else torch.float32)
+    model = tiny_model(arch, dtype=torch.float32 if kernel == "onednn" else torch.float64)
     num_layers = model.config.get_text_config().num_hidden_layers
     plan = selfspec.DraftPlan(layers=tuple(range(num_layers // 2)), draft_length=4, ngram=2, policy="fixed")
     spec = selfspec.wrap(model, plan=plan)
