@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     injected = f"profile {args.costs!r} injected; " if args.costs else ""
     header["pass costs"] = injected + pass_costs(methods, bool(args.variants))
     print(f"pass costs: {header['pass costs']}", flush=True)
+    header["cpu kernels"] = pass_kernels(methods, bool(args.variants))
+    print(f"selfspec's kernels: {header['cpu kernels']}", flush=True)
     weights = variant_memory(args, models, plan, workload.prompts)
     for name, mem in weights.items():
         if "error" in mem:
@@ -218,6 +220,18 @@ def pass_costs(methods: list[Method], with_variants: bool) -> str:
     if not found:
         return "-"
     return " | ".join(costs if variant is None else f"{variant}: {costs}" for variant, costs in found.items())
+
+
+def pass_kernels(methods: list[Method], with_variants: bool) -> str:
+    """The kernels selfspec's passes ran with (`selfspec/cpu_kernels.py`, measured here): one line, or one per
+    variant."""
+    found = {}
+    for m in methods:
+        if "kernels" in m.settings:
+            found.setdefault(split_method_name(m.name)[0] if with_variants else None, m.settings["kernels"])
+    if not found:
+        return "-"
+    return " | ".join(k if variant is None else f"{variant}: {k}" for variant, k in found.items())
 
 
 def variant_memory(args, models: dict, plan, prompts: list[Prompt]) -> dict[str, dict]:
