@@ -213,25 +213,24 @@ def variant_label(args: argparse.Namespace, variant: Variant) -> str | None:
 
 def pass_costs(methods: list[Method], with_variants: bool) -> str:
     """The pass costs selfspec measured: one line, or one per variant (a quantized model has its own)."""
-    found = {}
-    for m in methods:
-        if "costs" in m.settings:
-            found.setdefault(split_method_name(m.name)[0] if with_variants else None, m.settings["costs"])
-    if not found:
-        return "-"
-    return " | ".join(costs if variant is None else f"{variant}: {costs}" for variant, costs in found.items())
+    return per_variant(methods, "costs", with_variants)
 
 
 def pass_kernels(methods: list[Method], with_variants: bool) -> str:
     """The kernels selfspec's passes ran with (`selfspec/cpu_kernels.py`, measured here): one line, or one per
     variant."""
+    return per_variant(methods, "kernels", with_variants)
+
+
+def per_variant(methods: list[Method], setting: str, with_variants: bool) -> str:
+    """A setting of the selfspec methods, the first method's per variant: "-" when none has it."""
     found = {}
     for m in methods:
-        if "kernels" in m.settings:
-            found.setdefault(split_method_name(m.name)[0] if with_variants else None, m.settings["kernels"])
+        if setting in m.settings:
+            found.setdefault(split_method_name(m.name)[0] if with_variants else None, m.settings[setting])
     if not found:
         return "-"
-    return " | ".join(k if variant is None else f"{variant}: {k}" for variant, k in found.items())
+    return " | ".join(value if variant is None else f"{variant}: {value}" for variant, value in found.items())
 
 
 def variant_memory(args, models: dict, plan, prompts: list[Prompt]) -> dict[str, dict]:

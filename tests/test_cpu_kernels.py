@@ -178,26 +178,23 @@ def test_a_choice_covers_the_rows_between_its_measured_ones_and_the_last_one_bey
         LinearKernels.from_dict({"rows": [1], "kernels": ["fast"]})
 
 
+def linear_in_another_thread(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """F.linear(x, weight) on a thread named "other", while this one waits (inside `cpu_kernels`, say)."""
+    thread = threading.Thread(target=torch.nn.functional.linear, args=(x, weight), name="other")
+    thread.start()
+    thread.join(5)
+    assert not thread.is_alive()
+
+
 def test_only_the_thread_that_chose_a_kernel_runs_it(monkeypatch):
     taken = []
     real = cpu_kernels.transposed_linear
     monkeypatch.setattr(cpu_kernels, "transposed_linear",
                         lambda *a: taken.append(threading.current_thread().name) or real(*a))
     x, weight = torch.randn(4, 6), torch.randn(3, 6)
-    inside, done = threading.Event(), threading.Event()
-
-    def other() -> None:  # runs F.linear while the main thread is inside
-        inside.wait(5)
-        torch.nn.functional.linear(x, weight)
-        done.set()
-
-    thread = threading.Thread(target=other, name="other")
-    thread.start()
     with cpu_kernels.cpu_kernels(linear=EVERYWHERE):
-        inside.set()
-        assert done.wait(5)
+        linear_in_another_thread(x, weight)
         torch.nn.functional.linear(x, weight)
-    thread.join()
     assert taken == [threading.current_thread().name]
 
 
@@ -249,21 +246,9 @@ def test_aten_switches_onednn_off_for_its_call_alone_and_other_threads_wait(monk
 
     monkeypatch.setattr(cpu_kernels, "_linear", recording)
     x, weight = torch.randn(1, 6, dtype=torch.bfloat16), torch.randn(3, 6, dtype=torch.bfloat16)
-    aten = LinearKernels((1,), ("aten",))
-    inside, done = threading.Event(), threading.Event()
-
-    def other() -> None:  # F.linear of a thread that chose nothing, while the main thread is inside
-        inside.wait(5)
+    with cpu_kernels.cpu_kernels(linear=LinearKernels((1,), ("aten",))):
         torch.nn.functional.linear(x, weight)
-        done.set()
-
-    thread = threading.Thread(target=other, name="other")
-    thread.start()
-    with cpu_kernels.cpu_kernels(linear=aten):
-        torch.nn.functional.linear(x, weight)
-        inside.set()
-        assert done.wait(5)
-    thread.join()
+        linear_in_another_thread(x, weight)  # a thread that chose nothing
     main = threading.current_thread().name
     assert seen == [(main, False, True), ("other", True, True)]
     assert torch._C._get_mkldnn_enabled() and not cpu_kernels._aten_threads
