@@ -241,8 +241,8 @@ def chosen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     a pass: the common case, F.linear, is decided first)."""
     choice = getattr(_state, "linear", NO_CHANGE)
     kernel = choice(x.numel() // x.shape[-1]) if x.dim() >= 2 and x.shape[-1] else "linear"
-    if x.device.type != "cpu" or x.dtype != weight.dtype or not plain_tensor(weight):
-        kernel = "linear"
+    if kernel != "linear" and (x.device.type != "cpu" or x.dtype != weight.dtype or not plain_tensor(weight)):
+        kernel = "linear"  # checked only when another kernel is chosen: most calls of a pass are F.linear's
     if kernel == "aten":
         return aten_linear(x, weight, bias)
     if _aten_threads:  # some thread may switch oneDNN off (`aten_linear`): not in the middle of this call
