@@ -13,8 +13,14 @@ CPU in bfloat16 it costs almost 4. So nothing here is assumed:
   how many there are (on one CPU, 8 rows at 1,334 entries: a pass over 2
   tokens cost 1.9 plain steps where the short context said 1.2).
   `measure_pass_costs` times them in two or three seconds; `load_or_measure`
-  keeps the result on disk, keyed by the model, the plan's draft, dtype,
-  device, thread count and the processor.
+  keeps the result on disk, keyed by the model, dtype, device, thread count,
+  kernels and the processor. The verify passes are the same for every plan,
+  so they are one table, timed once; each plan's draft step is timed apart,
+  beside a plain step, and joins that table as a share of a step
+  (`PassCosts.with_draft`). Two plans timed apart would each have had a
+  table of their own, up to 10% apart per width from timing noise alone
+  (measured), and one plan would have been priced wider passes than the
+  other on the same machine.
 - `PassCosts.profile("linear" | "flat", ...)` builds a table by rule, for
   tests and for asking "what would this machine do on another kind".
 - `RuntimeCosts` is what a generation uses: the table at the round's
@@ -138,6 +144,26 @@ class PassCosts:
             raise ValueError(f"unknown cost profile {kind!r} (valid: 'linear', 'flat')")
         return cls(verify, draft_fraction * step, num_layers, machine=f"{kind} profile", source=kind)
 
+    def passes_only(self) -> "PassCosts":
+        """The verify passes alone (no draft step): what every plan on this model and machine shares."""
+        return dataclasses.replace(self, draft_step=0.0, draft_long=0.0)
+
+    def draft_only(self) -> "PassCosts":
+        """The draft step with the plain step it was timed beside (width 1 only): what is the plan's own."""
+        return dataclasses.replace(self, verify=self.verify[:1], verify_long=self.verify_long[:1])
+
+    def with_draft(self, draft: "PassCosts") -> "PassCosts":
+        """These passes with `draft`'s draft step, taken relative to the plain step it was timed beside: a
+        draft timed on a busier (or quieter) moment than these passes keeps its share of a step, not its
+        seconds."""
+        draft_step = draft.draft_step * self.step / draft.step
+        draft_long = 0.0
+        if draft.draft_long:
+            long_step = self.verify_long[0] if self.verify_long else self.step
+            draft_long = draft.draft_long * long_step / (draft.verify_long[0] if draft.verify_long else draft.step)
+        return dataclasses.replace(self, draft_step=draft_step, draft_long=draft_long,
+                                   measure_seconds=self.measure_seconds + draft.measure_seconds)
+
     def relative(self) -> dict[str, Any]:
         """The table in units of one plain step."""
         relative = {
@@ -217,8 +243,13 @@ def measure_pass_costs(
     repeats: int = 3,
     bucketed: bool = False,
     max_positions: int | None = None,
+    draft_only: bool = False,
 ) -> PassCosts:
     """Time full passes over 1, 2, 4, 8, ... and `max_width` tokens, and one draft step.
+
+    `draft_only`: time the draft step and one plain step beside it (a table
+    of width 1, `PassCosts.draft_only`), for a plan whose passes are timed
+    already (`PassCosts.with_draft`).
 
     `bucketed`: the runner pads a pass to the next power of two (the static
     step), so a width between two measured ones costs what the wider does;
@@ -241,7 +272,7 @@ def measure_pass_costs(
     ids = torch.randint(0, vocab_size, (context + max_width,), generator=generator).tolist()
     runner.run(runner.embed(ids[:context], 0), range(len(runner.layers)), 0)
     device = runner.positions.device
-    widths = sorted({q for q in (1, 2, 4, 8, 16, 32, 64) if q < max_width} | {max_width})
+    widths = [1] if draft_only else sorted({q for q in (1, 2, 4, 8, 16, 32, 64) if q < max_width} | {max_width})
 
     def timed_at(position: int) -> dict[Any, float]:
         def full_pass(q: int) -> Callable[[], None]:
@@ -261,6 +292,7 @@ def measure_pass_costs(
     if long > context:
         runner.cache.fill_zeros(long)
         at_long = timed_at(long)
+    max_width = widths[-1]
     return PassCosts(
         interpolate({q: short[q] for q in widths}, max_width, step_up=bucketed),
         short.get("draft", 0.0),

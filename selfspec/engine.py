@@ -239,24 +239,28 @@ class SelfSpecModel:
             logits = self.drafter.step(runner, 0, position)  # [1, vocab]
             float(torch.softmax(logits[0], dim=-1).max())  # the confidence the policy reads
 
-        def measure() -> PassCosts:
-            if self.plan.auto:  # an auto plan's table times its reference set (`auto_layers.py` scales from it)
+        def measure(*, draft: bool) -> PassCosts:
+            if draft and self.plan.auto:  # an auto plan's draft times its reference set (`auto_layers.py` scales)
                 self.drafter.set_layers(self.plan.draft_layers(self.parts.num_layers))
             with self.kernels():
                 return measure_pass_costs(
                     lambda capacity: self._runner(capacity, keep=False),
-                    draft_step if self.drafter.has_layers else None,
+                    draft_step if draft else None,
                     num_layers=self.parts.num_layers,
                     vocab_size=self.parts.vocab_size,
                     max_width=self.max_width,
                     repeats=repeats,
                     bucketed=self.step != "eager",  # the static step pads a pass to its bucket
                     max_positions=self.parts.max_positions,
+                    draft_only=draft,
                 )
 
-        if not cached:
-            return measure()
-        return load_or_measure(costs_cache_dir(), self._costs_key(), measure)
+        # The passes are the model's and the machine's: one table for every plan (their draft keys it apart).
+        folder = costs_cache_dir() if cached else None
+        passes = load_or_measure(folder, self._costs_key(), lambda: measure(draft=False))
+        if not self.drafter.has_layers:
+            return passes
+        return passes.with_draft(load_or_measure(folder, self._draft_key(), lambda: measure(draft=True)))
 
     def memory(self, *, context: int | None = None) -> MemoryReport:
         """Bytes held: weights as stored, the KV cache for `context` positions, the plan's head and vocabulary.
@@ -273,8 +277,20 @@ class SelfSpecModel:
         return memory_report(self.model, self.parts, context=context, head=self.head, vocab_tensors=vocab,
                              quantization=self.quantization)
 
+    def _draft_key(self) -> str:
+        """The disk cache's key for the plan's draft step (`PassCosts.draft_only`)."""
+        return self._costs_key(draft=self.describe_plan())
+
+    def _save_refined(self, costs: RuntimeCosts) -> None:
+        """What the rounds measured replaces the cached tables, for the next process to start from."""
+        refined = costs.refined()
+        save_costs(costs_cache_dir(), self._costs_key(), refined.passes_only())
+        if self.drafter.has_layers and refined.draft_step:
+            save_costs(costs_cache_dir(), self._draft_key(), refined.draft_only())
+
     def _costs_key(self, **extra) -> str:
-        """The disk cache's key: the model, the plan's draft, dtype, device, threads and processor (and `extra`)."""
+        """The disk cache's key: the model, dtype, device, threads, processor and kernels (and `extra`): not the
+        plan, whose verify passes are every plan's (a plan's draft step is keyed apart, `_draft_key`)."""
         device = self.parts.device
         # A quantized model's passes cost other times than its float twin's (same dtype, same identity).
         weights = {} if self.quantization is None else {"quantization": self.quantization}
@@ -283,7 +299,6 @@ class SelfSpecModel:
             **weights,
             **step,
             model=model_identity(self.model, self.parts),
-            draft=self.describe_plan(),
             dtype=str(self.parts.dtype),
             device=str(device),
             threads=torch.get_num_threads(),
@@ -539,7 +554,7 @@ class SelfSpecModel:
         plain_step = sum(runner.layer_bytes[: self.parts.num_layers]) + runner.head_bytes  # every layer, the head
         stats.steps_read = runner.weights_read / plain_step
         if isinstance(policy, CostPolicy) and policy.costs.learn:  # the next process starts from what was learned
-            save_costs(costs_cache_dir(), self._costs_key(), policy.costs.refined())
+            self._save_refined(policy.costs)
         stats.policy = policy.describe()
         stats.final_threshold = policy.threshold if isinstance(policy, AdaptivePolicy) else None
         if isinstance(policy, CostPolicy):

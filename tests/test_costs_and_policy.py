@@ -216,17 +216,48 @@ def test_measured_costs_have_the_plan_shape_and_are_cached(tmp_path, monkeypatch
     costs = selfspec.wrap(model, plan=plan).costs
     assert costs.max_width == 6 and costs.draft_step > 0 and costs.source == "measured"
     assert all(b >= a for a, b in zip(costs.verify, costs.verify[1:]))  # never decreasing in the width
-    assert "threads" in costs.machine and len(list(tmp_path.glob("*.json"))) == 1
+    assert "threads" in costs.machine and len(list(tmp_path.glob("*.json"))) == 2  # the passes; the plan's draft
     again = selfspec.wrap(model, plan=plan).costs
     assert again.source == "cached" and again.verify == costs.verify
+    assert again.draft_step == pytest.approx(costs.draft_step)
     spec = selfspec.wrap(model, plan=plan)
     spec.generate(random_prompt(6), max_new_tokens=6)
     assert "plain step" in spec.last_stats.costs and "cost" in spec.last_stats.policy
     assert "costs: plain step" in str(spec.last_stats)
-    # What the rounds measured replaces the cached table, for the next process to start from.
+    # What the rounds measured replaces the cached tables, for the next process to start from.
     assert selfspec.wrap(model, plan=plan).costs.source == "cached"
-    (path,) = tmp_path.glob("*.json")
-    assert '"source": "refined"' in path.read_text()
+    paths = list(tmp_path.glob("*.json"))
+    assert len(paths) == 2 and all('"source": "refined"' in path.read_text() for path in paths)
+
+
+def test_every_plan_prices_the_same_verify_passes_and_its_own_draft(tmp_path, monkeypatch):
+    """The verify passes are the model's and the machine's: timed once, shared by every plan (two tables
+    timed apart differ by noise, and one plan would be priced wider passes than another). Each plan's draft
+    step is its own, kept as a share of the plain step it was timed beside."""
+    monkeypatch.setenv("SELFSPEC_COSTS_CACHE", str(tmp_path))
+    model = tiny_model("llama", torch.float32)
+    few, many = (selfspec.DraftPlan(layers=layers, draft_length=5) for layers in ([0], [0, 1, 2, 3, 4]))
+    first = selfspec.wrap(model, plan=few).costs
+    second = selfspec.wrap(model, plan=many).costs
+    assert second.verify == first.verify and second.verify_long == first.verify_long
+    assert second.draft_step != first.draft_step  # each timed its own layers
+    ngram = selfspec.wrap(model, plan=selfspec.DraftPlan(ngram=3, draft_length=5)).costs
+    assert ngram.verify == first.verify and ngram.draft_step == 0.0
+    assert len(list(tmp_path.glob("*.json"))) == 3  # one table of passes, two drafts (an n-gram plan has none)
+    # A draft timed while the machine ran at half speed keeps its share of a step.
+    passes = PassCosts((0.01, 0.012), 0.0, 4, verify_long=(0.02, 0.03), context=48, long_context=1024)
+    slow = PassCosts((0.02,), 0.01, 4, verify_long=(0.04,), draft_long=0.016, context=48, long_context=1024)
+    joined = passes.with_draft(slow)
+    assert joined.verify == passes.verify and joined.draft_step == pytest.approx(0.005)
+    assert joined.draft_long == pytest.approx(0.008)
+    assert joined.passes_only() == passes and joined.draft_only().verify == (0.01,)
+    # The rounds' refinement of one plan's passes is where the next plan starts from.
+    spec = selfspec.wrap(model, plan=few)
+    runtime = spec._runtime_costs()
+    for _ in range(RuntimeCosts.MIN_SEEN):
+        runtime.observe_verify(1, 0, first.step * 3)
+    spec._save_refined(runtime)
+    assert selfspec.wrap(model, plan=many).costs.step == pytest.approx(first.step * 3)
 
 
 def test_greedy_calls_go_on_from_what_earlier_ones_learned_and_sampling_does_not():
