@@ -15,7 +15,8 @@ CPU in bfloat16 it costs almost 4. So nothing here is assumed:
   `measure_pass_costs` times them in two or three seconds; `load_or_measure`
   keeps the result on disk, keyed by the model, dtype, device, thread count,
   kernels and the processor. The verify passes are the same for every plan,
-  so they are one table, timed once; each plan's draft step is timed apart,
+  so they are one table, timed once for the widest plan so far (a narrower
+  plan reads its first widths); each plan's draft step is timed apart,
   beside a plain step, and joins that table as a share of a step
   (`PassCosts.with_draft`). Two plans timed apart would each have had a
   table of their own, up to 10% apart per width from timing noise alone
@@ -163,6 +164,30 @@ class PassCosts:
             draft_long = draft.draft_long * long_step / (draft.verify_long[0] if draft.verify_long else draft.step)
         return dataclasses.replace(self, draft_step=draft_step, draft_long=draft_long,
                                    measure_seconds=self.measure_seconds + draft.measure_seconds)
+
+    def up_to(self, width: int) -> "PassCosts":
+        """The table for passes of at most `width` tokens (a plan that verifies fewer than it was timed for)."""
+        if width >= self.max_width:
+            return self
+        return dataclasses.replace(self, verify=self.verify[:width], verify_long=self.verify_long[:width])
+
+    def merged_into(self, wider: "PassCosts") -> "PassCosts":
+        """This table's widths, then `wider`'s beyond them, scaled by the two tables' ratio at this table's widest
+        width (its shape kept) and never decreasing: what a narrower plan's refined passes write back over a
+        table a wider plan timed, so the wider widths are not lost."""
+        if wider.max_width <= self.max_width or bool(wider.verify_long) != bool(self.verify_long) or \
+                (wider.context, wider.long_context) != (self.context, self.long_context):
+            return self
+
+        def joined(narrow: tuple[float, ...], wide: tuple[float, ...]) -> tuple[float, ...]:
+            scale = narrow[-1] / wide[len(narrow) - 1]
+            out = list(narrow)
+            for t in wide[len(narrow):]:
+                out.append(max(out[-1], t * scale))
+            return tuple(out)
+
+        return dataclasses.replace(self, verify=joined(self.verify, wider.verify),
+                                   verify_long=joined(self.verify_long, wider.verify_long) if self.verify_long else ())
 
     def relative(self) -> dict[str, Any]:
         """The table in units of one plain step."""
@@ -363,22 +388,32 @@ def costs_cache_dir() -> Path | None:
     return Path(explicit).expanduser() if explicit else default_cache_dir() / "costs"
 
 
-def load_or_measure(folder: Path | None, key: str, measure: Callable[[], Any], *, kind: type = None) -> Any:
+def load_or_measure(folder: Path | None, key: str, measure: Callable[[], Any], *, kind: type = None,
+                    usable: Callable[[Any], bool] | None = None) -> Any:
     """The table cached under `folder/key.json`, else measured now (and cached when `folder` is given).
 
     `kind`: what the file holds (`PassCosts`, marked `source="cached"` when read back; or anything with
-    `to_dict` and `from_dict`)."""
-    kind = kind or PassCosts
-    path = folder / f"{key}.json" if folder is not None else None
-    if path is not None and path.is_file():
-        try:
-            loaded = kind.from_dict(json.loads(path.read_text()))
-            return dataclasses.replace(loaded, source="cached") if kind is PassCosts else loaded
-        except (ValueError, KeyError, TypeError, json.JSONDecodeError):
-            pass  # a damaged or older file: measure again and overwrite it
+    `to_dict` and `from_dict`). `usable(cached)`: whether the cached one serves (a table timed for fewer
+    widths than asked is measured again, and the new one replaces it)."""
+    cached = load_costs(folder, key, kind=kind)
+    if cached is not None and (usable is None or usable(cached)):
+        return cached
     costs = measure()
     save_costs(folder, key, costs)
     return costs
+
+
+def load_costs(folder: Path | None, key: str, *, kind: type = None) -> Any:
+    """What `folder/key.json` holds (see `load_or_measure`), or None: no folder, no file, or a damaged or older one."""
+    kind = kind or PassCosts
+    path = folder / f"{key}.json" if folder is not None else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        loaded = kind.from_dict(json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError):
+        return None  # measured again and overwritten
+    return dataclasses.replace(loaded, source="cached") if kind is PassCosts else loaded
 
 
 def save_costs(folder: Path | None, key: str, costs: Any) -> None:

@@ -34,6 +34,7 @@ from .costs import (
     RuntimeCosts,
     cache_key,
     costs_cache_dir,
+    load_costs,
     load_or_measure,
     machine_description,
     measure_pass_costs,
@@ -255,9 +256,11 @@ class SelfSpecModel:
                     draft_only=draft,
                 )
 
-        # The passes are the model's and the machine's: one table for every plan (their draft keys it apart).
+        # The passes are the model's and the machine's: one table for every plan (their draft keys it apart),
+        # timed for the widest plan that asked so far.
         folder = costs_cache_dir() if cached else None
-        passes = load_or_measure(folder, self._costs_key(), lambda: measure(draft=False))
+        passes = load_or_measure(folder, self._costs_key(), lambda: measure(draft=False),
+                                 usable=lambda table: table.max_width >= self.max_width).up_to(self.max_width)
         if not self.drafter.has_layers:
             return passes
         return passes.with_draft(load_or_measure(folder, self._draft_key(), lambda: measure(draft=True)))
@@ -283,10 +286,12 @@ class SelfSpecModel:
 
     def _save_refined(self, costs: RuntimeCosts) -> None:
         """What the rounds measured replaces the cached tables, for the next process to start from."""
-        refined = costs.refined()
-        save_costs(costs_cache_dir(), self._costs_key(), refined.passes_only())
+        refined, folder = costs.refined(), costs_cache_dir()
+        timed = load_costs(folder, self._costs_key())  # a wider plan's widths beyond this one's are kept
+        passes = refined.passes_only()
+        save_costs(folder, self._costs_key(), passes if timed is None else passes.merged_into(timed))
         if self.drafter.has_layers and refined.draft_step:
-            save_costs(costs_cache_dir(), self._draft_key(), refined.draft_only())
+            save_costs(folder, self._draft_key(), refined.draft_only())
 
     def _costs_key(self, **extra) -> str:
         """The disk cache's key: the model, dtype, device, threads, processor and kernels (and `extra`): not the
@@ -303,7 +308,6 @@ class SelfSpecModel:
             device=str(device),
             threads=torch.get_num_threads(),
             machine=machine_description(device),
-            max_width=self.max_width,
             linear=self.linear_kernels().to_dict(),  # the kernels the passes ran with
             attention=self.attention_kernels().to_dict(),
             **extra,

@@ -260,6 +260,34 @@ def test_every_plan_prices_the_same_verify_passes_and_its_own_draft(tmp_path, mo
     assert selfspec.wrap(model, plan=many).costs.step == pytest.approx(first.step * 3)
 
 
+def test_plans_of_other_widths_share_the_passes_timed_for_the_widest(tmp_path, monkeypatch):
+    """A plan that verifies fewer tokens reads the widest table so far; a wider one times the passes again
+    (and its table serves both); a narrower plan's refined passes keep the wider widths when written back."""
+    monkeypatch.setenv("SELFSPEC_COSTS_CACHE", str(tmp_path))
+    model = tiny_model("llama", torch.float32)
+    narrow = selfspec.DraftPlan(ngram=3, draft_length=3)  # passes of up to 4 tokens
+    wide = selfspec.DraftPlan(ngram=3, draft_length=3, tree=8)  # up to 9
+    first = selfspec.wrap(model, plan=narrow).costs
+    assert first.max_width == 4 and first.source == "measured"
+    timed = selfspec.wrap(model, plan=wide).costs
+    assert timed.max_width == 9 and timed.source == "measured"  # the cached table was too narrow
+    again = selfspec.wrap(model, plan=narrow).costs
+    assert again.source == "cached" and again.verify == timed.verify[:4]
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    spec = selfspec.wrap(model, plan=narrow)
+    runtime = spec._runtime_costs()
+    for _ in range(RuntimeCosts.MIN_SEEN):  # this machine runs every pass at twice the table's time
+        for width in (1, 2, 3, 4):
+            runtime.observe_verify(width, 0, runtime.table.verify[width - 1] * 2)
+    spec._save_refined(runtime)
+    after = selfspec.wrap(model, plan=wide).costs
+    assert after.source == "cached" and after.max_width == 9
+    assert list(after.verify) == pytest.approx([2 * t for t in timed.verify])  # the wider widths: same shape
+    table = PassCosts((1.0, 1.5), 0.0, 2)
+    assert table.merged_into(PassCosts((2.0, 2.2, 2.1, 3.0), 0.0, 2)).verify == pytest.approx((1.0, 1.5, 1.5, 2.045),
+                                                                                               abs=1e-3)
+
+
 def test_greedy_calls_go_on_from_what_earlier_ones_learned_and_sampling_does_not():
     model = tiny_model("llama", torch.float32)
     spec = selfspec.wrap(model, plan=selfspec.DraftPlan(ngram=3, layers=[0, 1], draft_length=4), costs="flat")
