@@ -481,11 +481,21 @@ class RuntimeCosts:
 
     def ratio(self, width: int, context: int | None) -> float:
         """observed / table for a pass over `width` tokens at `context` entries (1.0 until something is seen)."""
-        band = self._band(context)
+        ratios = self._band_ratios_of(self._band(context))
+        return ratios[min(width, len(ratios)) - 1]
+
+    def _band_ratios_of(self, band: int) -> tuple[float, ...]:
         ratios = self.ratios.get(band)
         if ratios is None:
             ratios = self.ratios[band] = self._band_ratios(band)
-        return ratios[min(width, len(ratios)) - 1]
+        return ratios
+
+    def _learned_band(self, band: int) -> int:
+        """`band`, or where no round has been seen in it, the nearest band where rounds were (the lower on a tie)."""
+        seen = [key for key in self.medians if isinstance(key, int)]
+        if not seen or band in seen:
+            return band
+        return min(seen, key=lambda b: (abs(b - band), b))
 
     def _band_ratios(self, band: int) -> tuple[float, ...]:
         """Each width's correction in `band`: its own median, bounded, then kept a cost curve.
@@ -535,12 +545,19 @@ class RuntimeCosts:
         return self.table.draft_seconds(self.context) * self.draft_ratio
 
     def refined(self) -> PassCosts:
-        """The table as the rounds measured it: what the next process should start from."""
+        """The table as the rounds measured it: what the next process should start from.
+
+        Each of the table's two contexts takes the corrections of its own band,
+        or, where no round ran there, of the nearest band where some did: a
+        generation of 128 tokens after a prompt of a few hundred ran in bands
+        1-3 only, and what it learned per width there would otherwise reach the
+        next process only as the median over every width."""
 
         def scaled(times: tuple[float, ...], context: int) -> tuple[float, ...]:
+            ratios = self._band_ratios_of(self._learned_band(context_band(context)))
             out, floor = [], 0.0
             for q, t in enumerate(times, start=1):
-                floor = max(floor, t * self.ratio(q, context))
+                floor = max(floor, t * ratios[min(q, len(ratios)) - 1])
                 out.append(floor)
             return tuple(out)
 

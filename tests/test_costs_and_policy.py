@@ -185,6 +185,27 @@ def test_corrected_costs_stay_a_cost_curve():
     assert list(refined.verify) == pytest.approx(widths)
 
 
+def test_the_refined_table_carries_what_the_rounds_learned_in_the_bands_between_its_contexts():
+    """Rounds at 300 entries only (band 2): width 2 ran at 1.5 steps where the table said 1.72. The refined
+    table takes that band's corrections, per width, for both of its contexts (48 and 1,024 entries: bands 0 and
+    4, where no round ran), not the median over every width."""
+    table = PassCosts((1.0, 1.72, 2.2), 0.2, 6, verify_long=(1.0, 1.72, 2.2), context=48, long_context=1024)
+    costs = RuntimeCosts(table)
+    costs.context = 300
+    for _ in range(RuntimeCosts.WINDOW):
+        for width, seconds in ((1, 1.0), (2, 1.5), (3, 2.2)):
+            costs.observe_verify(width, 0, seconds)
+    refined = costs.refined()
+    assert refined.verify[1] == pytest.approx(1.5) and refined.verify_long[1] == pytest.approx(1.5)
+    assert refined.verify[0] == pytest.approx(1.0) and refined.verify[2] == pytest.approx(2.2)
+    costs.context = 48  # once rounds ran in the table's own band, that band's corrections are its own
+    for _ in range(RuntimeCosts.WINDOW):
+        for width in (1, 2, 3):
+            costs.observe_verify(width, 0, 2 * table.verify[width - 1])
+    assert list(costs.refined().verify) == pytest.approx([2 * t for t in table.verify])
+    assert costs.refined().verify_long[1] == pytest.approx(1.5)
+
+
 def test_a_step_the_table_overstated_is_learned_from_the_rounds():
     """The table timed 2 tokens at 1.72 plain steps; the rounds run them at 1.5. After a window of rounds
     width 2 is priced as they ran, and the refined table carries that on, not the table's step."""
