@@ -142,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         methods += built
         failed.update(bad)
     injected = f"profile {args.costs!r} injected; " if args.costs else ""
-    header["pass costs"] = injected + pass_costs(methods, bool(args.variants))
+    header["pass costs"] = injected + per_variant(methods, "costs", bool(args.variants))
     print(f"pass costs: {header['pass costs']}", flush=True)
-    header["cpu kernels"] = pass_kernels(methods, bool(args.variants))
+    header["cpu kernels"] = per_variant(methods, "kernels", bool(args.variants))
     print(f"selfspec's kernels: {header['cpu kernels']}", flush=True)
     weights = variant_memory(args, models, plan, workload.prompts)
     for name, mem in weights.items():
@@ -211,19 +211,9 @@ def variant_label(args: argparse.Namespace, variant: Variant) -> str | None:
     return variant.name if args.variants else None
 
 
-def pass_costs(methods: list[Method], with_variants: bool) -> str:
-    """The pass costs selfspec measured: one line, or one per variant (a quantized model has its own)."""
-    return per_variant(methods, "costs", with_variants)
-
-
-def pass_kernels(methods: list[Method], with_variants: bool) -> str:
-    """The kernels selfspec's passes ran with (`selfspec/cpu_kernels.py`, measured here): one line, or one per
-    variant."""
-    return per_variant(methods, "kernels", with_variants)
-
-
 def per_variant(methods: list[Method], setting: str, with_variants: bool) -> str:
-    """A setting of the selfspec methods, the first method's per variant: "-" when none has it."""
+    """A setting of the selfspec methods (the pass costs, the CPU kernels: a quantized model has its own), the
+    first method's per variant: one line, or one per variant; "-" when none has it."""
     found = {}
     for m in methods:
         if setting in m.settings:

@@ -175,9 +175,8 @@ class PassCosts:
         """This table's widths, then `wider`'s beyond them, scaled by the two tables' ratio at this table's widest
         width (its shape kept) and never decreasing: what a narrower plan's refined passes write back over a
         table a wider plan timed, so the wider widths are not lost."""
-        if wider.max_width <= self.max_width or bool(wider.verify_long) != bool(self.verify_long) or \
-                (wider.context, wider.long_context) != (self.context, self.long_context):
-            return self
+        if wider.max_width <= self.max_width or (wider.context, wider.long_context) != (self.context, self.long_context):
+            return self  # (the same long context: both timed there, or neither)
 
         def joined(narrow: tuple[float, ...], wide: tuple[float, ...]) -> tuple[float, ...]:
             scale = narrow[-1] / wide[len(narrow) - 1]
@@ -317,15 +316,15 @@ def measure_pass_costs(
     if long > context:
         runner.cache.fill_zeros(long)
         at_long = timed_at(long)
-    max_width = widths[-1]
+    timed_width = widths[-1]  # max_width, or 1 for `draft_only`
     return PassCosts(
-        interpolate({q: short[q] for q in widths}, max_width, step_up=bucketed),
+        interpolate({q: short[q] for q in widths}, timed_width, step_up=bucketed),
         short.get("draft", 0.0),
         num_layers,
         machine=machine_description(device),
         measure_seconds=time.perf_counter() - began,
         context=context,
-        verify_long=interpolate({q: at_long[q] for q in widths}, max_width, step_up=bucketed) if at_long else (),
+        verify_long=interpolate({q: at_long[q] for q in widths}, timed_width, step_up=bucketed) if at_long else (),
         draft_long=at_long.get("draft", 0.0),
         long_context=long if at_long else 0,
     )
