@@ -57,7 +57,7 @@ from .registry import adapter_for
 from .runner import LayerRunner
 from .scoring import Scorer
 from .static import GraphedRunner, StaticRunner
-from .static_loop import record_tree_round, run_static_rounds
+from .static_loop import record_tree_round, recycling_this_round, run_static_rounds
 from .stats import BatchStats, GenerationStats
 from .tree import accept_tree_greedy, accept_tree_sampling
 from .vocab import DraftVocab, load_vocab
@@ -369,8 +369,8 @@ class SelfSpecModel:
         policy = CostPolicy(self.plan, runtime, exact_prefix=self.drafter.exact_prefix)
         if not settings.do_sample:  # a sample's drafts depend on its seed and the prompt alone
             if self.learned is None:
-                self.learned = (policy.acceptance, policy.recycled)
-            policy.acceptance, policy.recycled = self.learned
+                self.learned = (policy.acceptance, policy.recycled, policy.ledger)
+            policy.acceptance, policy.recycled, policy.ledger = self.learned
         return policy
 
     @torch.no_grad()
@@ -526,6 +526,7 @@ class SelfSpecModel:
         successors = None
         if self.plan.recycle and self.plan.drafts:
             successors = SuccessorTable() if settings.do_sample else self.successors
+            policy.count_recording(successors)
         scorer = Scorer(settings, generator)
         out = Output(prompt, settings, streamer)
         stats = GenerationStats(plan=self.describe_plan())
@@ -573,18 +574,19 @@ class SelfSpecModel:
             if auto is not None:  # an auto plan: maybe another layer set from this round
                 auto.before_round(policy)
             policy.begin_round(min(self.plan.draft_length, out.remaining - 1), context=start)
+            recycling = recycling_this_round(policy, successors, stats)
             # 1. draft: an n-gram match, recycled predictions, else the plan's layers, as far as the policy finds it pays
-            draft = self.drafter.propose(runner, scorer, out.tokens, policy, successors)
+            draft = self.drafter.propose(runner, scorer, out.tokens, policy, recycling)
             draft_seconds = clock.lap()
             if draft.tree is not None:  # several continuations at once
-                self._tree_round(runner, draft, start, policy, scorer, out, stats, clock, draft_seconds, successors)
+                self._tree_round(runner, draft, start, policy, scorer, out, stats, clock, draft_seconds, recycling)
                 continue
             # 2. verify: one pass of the target over the last token and the draft
             ids = torch.tensor([[out.tokens[-1], *draft.tokens]], device=runner.positions.device)  # [1, k+1]
             checked = self.passes.verify(runner, ids, draft.boundary, start)
             scores = scorer.scores(checked.logits, out.tokens + draft.tokens, len(out.tokens))  # [k+1, vocab]
-            if successors is not None:
-                successors.record(chain_contexts(out.tokens, draft.tokens), scores)
+            if recycling is not None:
+                recycling.record(chain_contexts(out.tokens, draft.tokens), scores)
             # 3. accept
             if scorer.do_sample:
                 verdict = accept_sampling(draft.tokens, draft.probs, scorer.probs(scores), scorer.generator)

@@ -188,6 +188,85 @@ class DepthCalibration:
 
 
 @dataclass
+class RecycleLedger:
+    """Whether recycled nodes pay on this model and machine, judged in seconds from what they kept and cost.
+
+    The cost policy adds a recycled node when its calibrated value buys a
+    wider pass (`CostPolicy.recycled_nodes`); that is a prediction, and on a
+    model whose recorded successors rarely hold in a new context it errs: on
+    Gemma 3 270M (bfloat16, AVX512 CPU) 527 recycled nodes were verified in
+    8 prompts and 64 kept, about one in five whatever the recorded
+    probability, while the plan ran 5% behind the same plan without them.
+    The ledger checks the outcome. Each round while recycling is on:
+
+    - spent: the verify width the recycled nodes added, priced by the cost
+      table (the pass with them against the pass without), and the time the
+      successor table took to record the round's rows (greedy only);
+    - gained: the recycled tokens kept, each worth the plan's recent
+      seconds per emitted token (a kept token ends the generation that much
+      sooner).
+
+    Both are decayed sums. After `TRIAL` rounds on, when spent exceeds
+    gained, recycling pauses, recording included, for `backoff` rounds, which
+    doubles up to `MAX_PAUSE` each time a trial fails and resets when one
+    pays: a model where recycling does not pay runs at the plan's speed
+    without it, and one where it pays keeps it. A pause only changes what is
+    drafted, never what is kept.
+
+    Under sampling (`timed=False`) the recording time is not counted, and the
+    cost table is the fixed one: a seed's draws decide the pauses, never timing
+    noise.
+    """
+
+    TRIAL = 16  # rounds on before a verdict
+    FIRST_PAUSE = 16  # rounds
+    MAX_PAUSE = 256  # rounds
+    SMOOTHING = 0.9  # weight of the past in the seconds per emitted token
+
+    timed: bool = True  # the recording time counts (greedy runs)
+    gained: float = 0.0  # decayed seconds the kept recycled tokens saved
+    spent: float = 0.0  # decayed seconds the recycled nodes' width and the recording cost
+    rounds_on: int = 0  # rounds since recycling last resumed
+    paused: int = 0  # rounds left without recycling
+    backoff: int = FIRST_PAUSE
+    pauses: int = 0  # trials that failed
+    round_seconds: float | None = None  # smoothed priced seconds of a round
+    round_tokens: float | None = None  # smoothed tokens a round emitted
+    pending: tuple[int, int] = (0, 0)  # this round's recycled nodes: (verified, kept)
+
+    @property
+    def active(self) -> bool:
+        """Whether this round may record successors and draft recycled nodes."""
+        return self.paused == 0
+
+    def observe(self, *, round_seconds: float, emitted: int, extra_seconds: float, record_seconds: float) -> None:
+        """A round ended: priced at `round_seconds`, it emitted `emitted` tokens; its recycled nodes (`pending`)
+        widened its pass by `extra_seconds` and the successor table took `record_seconds` to record it."""
+        self.round_seconds = _smooth(self.round_seconds, round_seconds, self.SMOOTHING)
+        self.round_tokens = _smooth(self.round_tokens, float(emitted), self.SMOOTHING)
+        kept, self.pending = self.pending[1], (0, 0)
+        if self.paused:
+            self.paused -= 1
+            return
+        self.gained = DECAY * self.gained + kept * self.round_seconds / self.round_tokens
+        self.spent = DECAY * self.spent + extra_seconds + (record_seconds if self.timed else 0.0)
+        self.rounds_on += 1
+        if self.rounds_on < self.TRIAL:
+            return
+        if self.gained < self.spent:  # the trial failed: pause, and judge the next one on its own rounds
+            self.paused, self.backoff = self.backoff, min(2 * self.backoff, self.MAX_PAUSE)
+            self.gained = self.spent = 0.0
+            self.rounds_on = 0
+            self.pauses += 1
+        else:
+            self.backoff = self.FIRST_PAUSE
+
+    def describe(self) -> str:
+        state = f"paused for {self.paused} more rounds" if self.paused else "on"
+        return f"recycling {state} ({self.pauses} pauses so far: kept tokens did not pay for their width)"
+
+
+@dataclass
 class AcceptanceEstimates:
     """Per-token acceptance learned online, per draft source (see the module docstring)."""
 
@@ -313,6 +392,9 @@ class CostPolicy:
         self.expected = 1.0  # expected emitted tokens if the round stopped now
         self.draft_scale = 1.0  # a drafted token's cost relative to the table's draft step (auto plans' other sets)
         self.recycled = DepthCalibration()  # of the recycled nodes' recorded path probabilities, the share kept
+        self.ledger = RecycleLedger(timed=costs.learn)  # whether recycling pays (a recycled-draft plan)
+        self.recorder = None  # the successor table whose recording the ledger charges (`count_recording`)
+        self.recorded = 0.0  # its seconds when the ledger last read them
 
     def use_layers(self, key: object, *, exact_prefix: int, draft_scale: float) -> None:
         """Draft with another layer set from the next round (auto plans): its estimates, exact prefix and cost."""
@@ -386,6 +468,17 @@ class CostPolicy:
     def observe_recycled(self, *, depths: Sequence[int], values: Sequence[float], kept: Sequence[bool]) -> None:
         """A verified tree held recycled nodes at `depths` with `values`; `kept[i]`: node i was on the kept path."""
         self.recycled.observe(depths=depths, values=values, kept=kept)
+        self.ledger.pending = (len(values), sum(kept))
+
+    def count_recording(self, successors) -> None:
+        """Judge recycling by `successors` (a `recycle.SuccessorTable`, or None: not a recycled-draft plan):
+        the ledger charges the time it spends recording."""
+        self.recorder, self.recorded = successors, successors.seconds if successors is not None else 0.0
+
+    @property
+    def recycling(self) -> bool:
+        """Whether this round records successors and may draft recycled nodes (`RecycleLedger`)."""
+        return self.ledger.active
 
     def begin_round(self, budget: int, *, context: int | None = None) -> None:
         """A new round that may draft `budget` tokens, with `context` entries in the cache (what passes cost)."""
@@ -437,18 +530,31 @@ class CostPolicy:
             verify_seconds=lambda q: self.costs.verify(q, self.exact_prefix),
         )
 
-    def observe(self, draft: Draft, accepted: int, *, draft_seconds: float, verify_seconds: float, width: int) -> None:
+    def observe(self, draft: Draft, accepted: int, *, draft_seconds: float, verify_seconds: float, width: int,
+                emitted: int | None = None) -> None:
+        """The round's outcome: `accepted` of the draft's tokens (a tree's: of its first path, or of the path a
+        layer tree kept), a pass over `width` tokens; `emitted`: tokens the round emitted (`accepted` + 1 if None)."""
         layered = draft.source == "layers" and bool(draft.tokens)
         self.acceptance.decay(layers_drafted=layered)
         self.recycled.decay(DECAY if draft.recycled else IDLE_DECAY)  # written off, tried again only slowly
         self.acceptance.observe(draft, accepted)
         resumed = layered and draft.tree is None  # a tree's verify pass runs every layer
-        self.costs.observe_verify(width, self.exact_prefix if resumed else 0, verify_seconds)
+        prefix = self.exact_prefix if resumed else 0
+        if self.recorder is not None:  # priced before this round's time moves the table
+            recycled = len(draft.recycled)
+            seconds = self.costs.verify(width, prefix) + (len(draft.tokens) * self.costs.draft() * self.draft_scale
+                                                          if layered else 0.0)
+            extra = self.costs.verify(width) - self.costs.verify(width - recycled) if recycled else 0.0
+            recorded, self.recorded = self.recorder.seconds - self.recorded, self.recorder.seconds
+            self.ledger.observe(round_seconds=seconds, emitted=accepted + 1 if emitted is None else emitted,
+                                extra_seconds=extra, record_seconds=recorded)
+        self.costs.observe_verify(width, prefix, verify_seconds)
         if layered:
             self.costs.observe_draft(len(draft.tokens), draft_seconds / self.draft_scale)
 
     def describe(self) -> str:
-        return f"cost (k by expected tokens/s; acceptance {self.acceptance.summary()})"
+        recycling = f"; {self.ledger.describe()}" if self.recorder is not None else ""
+        return f"cost (k by expected tokens/s; acceptance {self.acceptance.summary()}{recycling})"
 
 
 class AdaptivePolicy:
@@ -514,6 +620,11 @@ class AdaptivePolicy:
     def observe_recycled(self, *, depths: Sequence[int], values: Sequence[float], kept: Sequence[bool]) -> None:
         pass  # the fixed policy does not size trees
 
+    def count_recording(self, successors) -> None:
+        pass  # ... and recycles every round
+
+    recycling = True
+
     def planned_length(self) -> int:
         """The static step drafts the budget: the confidence threshold would need a read back per token."""
         return self.layer_budget
@@ -524,7 +635,8 @@ class AdaptivePolicy:
         threshold = self.threshold
         return not drafted or threshold is None or confidence is None or confidence >= threshold
 
-    def observe(self, draft: Draft, accepted: int, *, draft_seconds: float, verify_seconds: float, width: int) -> None:
+    def observe(self, draft: Draft, accepted: int, *, draft_seconds: float, verify_seconds: float, width: int,
+                emitted: int | None = None) -> None:
         if draft.source in ("ngram", "recycled"):  # the layer policy learns from layer drafts only
             self.update(drafted=0, accepted=0, draft_seconds=0.0, verify_seconds=verify_seconds)
         else:

@@ -28,6 +28,7 @@ This module records and grows trees; it runs no layers and decides no lengths.
 from __future__ import annotations
 
 import heapq
+import time
 from collections import OrderedDict
 
 import torch
@@ -45,6 +46,7 @@ class SuccessorTable:
     def __init__(self) -> None:
         self.by_token: dict[int, tuple[tuple[int, ...], tuple[float, ...]]] = {}
         self.by_pair: OrderedDict[tuple[int, int], tuple[tuple[int, ...], tuple[float, ...]]] = OrderedDict()
+        self.seconds = 0.0  # spent recording, all told (what the cost policy's `RecycleLedger` charges recycling)
 
     def __len__(self) -> int:
         return len(self.by_token)
@@ -52,12 +54,22 @@ class SuccessorTable:
     def record(self, contexts: list[tuple[int | None, int]], scores: torch.Tensor) -> None:
         """Row r of `scores` `[rows, vocab]` (the target's scores after the row) follows `contexts[r]`:
         (the token before the row's, or None at the start; the row's token)."""
+        if scores.is_cuda:  # time the recording, not the pass still running before it
+            torch.cuda.synchronize(scores.device)
+        began = time.perf_counter()
         top_p, top_t = top_successors(scores)  # [rows, TOP]
-        self.record_top(contexts, top_t.tolist(), top_p.tolist())
+        self._store(contexts, top_t.tolist(), top_p.tolist())
+        self.seconds += time.perf_counter() - began
 
     def record_top(self, contexts: list[tuple[int | None, int]], top_tokens: list[list[int]],
                    top_probs: list[list[float]]) -> None:
         """`record` with each row's top tokens and probabilities already read (`top_successors`, on the host)."""
+        began = time.perf_counter()
+        self._store(contexts, top_tokens, top_probs)
+        self.seconds += time.perf_counter() - began
+
+    def _store(self, contexts: list[tuple[int | None, int]], top_tokens: list[list[int]],
+               top_probs: list[list[float]]) -> None:
         for (previous, token), tokens, probs in zip(contexts, top_tokens, top_probs):
             entry = (tuple(tokens), tuple(probs))
             self.by_token[token] = entry

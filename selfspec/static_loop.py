@@ -79,17 +79,18 @@ def run_static_rounds(
         if auto is not None:  # an auto plan: maybe another layer set from this round
             auto.before_round(policy)
         policy.begin_round(min(draft_length, out.remaining - 1), context=start)
+        recycling = recycling_this_round(policy, successors, stats)
         # Logits processors that read earlier tokens get them on the device (none: nothing is copied).
         history = torch.tensor(out.tokens, device=device) if scorer.processors else None  # [n]
         began = clock.mark()
         # 1. draft: an n-gram match and recycled predictions (decided on the host: they are free), else the layers
         copied = drafter.ngram_draft(out.tokens, policy, scorer, runner.parts.vocab_size, device)
         grown = None
-        if successors is not None and policy.round_budget > 0:
-            grown = drafter.recycled_draft(out.tokens, policy, copied, successors)
+        if recycling is not None and policy.round_budget > 0:
+            grown = drafter.recycled_draft(out.tokens, policy, copied, recycling)
         if grown is not None or (copied is not None and copied.tree is not None):
             static_tree_round(runner, passes, policy, scorer, out, stats, clock, grown or copied, last, start, began,
-                              successors)
+                              recycling)
             last = torch.tensor([[out.tokens[-1]]], device=device)  # [1, 1]: read back with the round already
             continue
         if copied is not None:
@@ -117,11 +118,11 @@ def run_static_rounds(
         packed = [drafted.double(), accepted.view(1).double(), next_token.double()]
         if confidences is not None:
             packed.append(confidences.double())
-        top = top_successors(scores) if successors is not None else None
+        top = top_successors(scores) if recycling is not None else None
         values = read_back(packed, top)
         tokens, n, token = [int(v) for v in values[:k]], int(values[k]), int(values[k + 1])
         if top is not None:
-            successors.record_top(chain_contexts(out.tokens, tokens), *top_rows(values, top))
+            recycling.record_top(chain_contexts(out.tokens, tokens), *top_rows(values, top))
         # 4. roll back: keep the entries of the last token and of the accepted drafted tokens
         runner.cache.crop(start + 1 + n)
         passes.fill_head(runner, checked, start, start + 1 + n)
@@ -177,7 +178,19 @@ def record_tree_round(policy, stats: GenerationStats, draft: Draft, path: list[i
     # An n-gram tree teaches the policy how far its first path (the chain it would have verified) was kept; a
     # layer tree, how deep its kept path went (its confidences are the share of probability each level kept).
     kept = len(path) if draft.source == "layers" else tree.first_path_kept(path)
-    policy.observe(draft, kept, draft_seconds=draft_seconds, verify_seconds=verify_seconds, width=len(tree) + 1)
+    policy.observe(draft, kept, draft_seconds=draft_seconds, verify_seconds=verify_seconds, width=len(tree) + 1,
+                   emitted=len(path) + 1)
+
+
+def recycling_this_round(policy, successors: SuccessorTable | None, stats: GenerationStats) -> SuccessorTable | None:
+    """`successors` when this round records and may draft recycled nodes; None without them, or while the
+    policy's ledger has recycling paused (`policy.RecycleLedger`: it did not pay)."""
+    if successors is None:
+        return None
+    if not policy.recycling:
+        stats.recycling_paused += 1
+        return None
+    return successors
 
 
 def read_back(packed: list[torch.Tensor], top: tuple[torch.Tensor, torch.Tensor] | None) -> list[float]:

@@ -38,6 +38,7 @@ class GenerationStats:
     tree_accepted: int = 0  # tokens kept from them (the accepted path)
     recycled_drafted: int = 0  # recycled nodes verified (`recycle.py`)
     recycled_accepted: int = 0  # of them, those on kept paths
+    recycling_paused: int = 0  # rounds that neither recorded nor drafted recycled nodes: they did not pay
     rounds_without_draft: int = 0  # plain steps: drafting off, paused, or no budget left
     accepted_lengths: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
@@ -144,7 +145,8 @@ class GenerationStats:
             f"drafted length histogram: {self.drafted_lengths}; accepted length histogram: {self.accepted_lengths}",
             *(
                 [f"from n-gram lookup: drafted {self.ngram_drafted}, accepted {self.ngram_accepted}; "
-                 f"recycled: drafted {self.recycled_drafted}, accepted {self.recycled_accepted}; "
+                 f"recycled: drafted {self.recycled_drafted}, accepted {self.recycled_accepted}"
+                 f"{f' (paused {self.recycling_paused} rounds)' if self.recycling_paused else ''}; "
                  f"from layers: drafted {self.layer_drafted}, accepted {self.layer_accepted}"]
                 if self.ngram_drafted or self.recycled_drafted else []
             ),

@@ -26,7 +26,7 @@ import selfspec.recycle
 from plan_strategies import assert_same
 from selfspec.costs import PassCosts, RuntimeCosts
 from selfspec.draft import Draft
-from selfspec.policy import CostPolicy
+from selfspec.policy import CostPolicy, RecycleLedger
 from selfspec.recycle import SuccessorTable, chain_contexts, tree_contexts
 from selfspec.testing import TINY_CONFIGS, has_window, random_prompt, tiny_model
 from selfspec.tree import TokenTree
@@ -291,3 +291,107 @@ def test_plan_checks_description_and_stats():
     stats = spec.last_stats
     assert stats.recycled_drafted > 0 and "recycled: drafted" in str(stats)
     assert stats.layer_drafted == stats.drafted - stats.ngram_drafted - stats.recycled_drafted
+
+
+class Recorder:
+    """Stands in for a `SuccessorTable`: only the seconds it has spent recording."""
+
+    seconds = 0.0
+
+
+def ledger_rounds(policy: CostPolicy, recorder: Recorder, rounds: int, *, nodes: int, kept: int,
+                  record_seconds: float = 0.0) -> list[bool]:
+    """`rounds` rounds of an n-gram tree of 4 nodes plus `nodes` recycled ones (`kept` of them kept); per round,
+    whether recycling was on."""
+    on = []
+    for _ in range(rounds):
+        policy.begin_round(8, context=64)
+        on.append(policy.recycling)
+        recycled = (0.5,) * nodes if on[-1] else ()
+        if recycled:
+            policy.observe_recycled(depths=[1] * nodes, values=recycled, kept=[i < kept for i in range(nodes)])
+        recorder.seconds += record_seconds if on[-1] else 0.0
+        width = 5 + len(recycled)
+        draft = Draft([1, 2, 3, 4], None, [], source="ngram", match_length=2,
+                      tree=TokenTree(tuple(range(width - 1)), tuple(range(-1, width - 2))), recycled=recycled)
+        policy.observe(draft, 2, draft_seconds=0.0, verify_seconds=1.0, width=width, emitted=3 + (kept if on[-1] else 0))
+    return on
+
+
+def sloped_policy(timed: bool = False) -> tuple[CostPolicy, Recorder]:
+    """A cost policy where each extra row costs 5% of a plain step, judging recycling by a stand-in recorder."""
+    plan = selfspec.DraftPlan(recycle=True, ngram=2, tree=16, draft_length=8)
+    costs = RuntimeCosts(PassCosts(verify=tuple(1 + 0.05 * q for q in range(17)), draft_step=0.5, num_layers=4),
+                         learn=False)
+    policy = CostPolicy(plan, costs)
+    policy.ledger.timed = timed
+    recorder = Recorder()
+    policy.count_recording(recorder)
+    return policy, recorder
+
+
+def test_recycling_that_does_not_pay_pauses_with_a_doubling_backoff():
+    """8 recycled nodes a round (0.4 steps of width) and none kept: after a trial of 16 rounds recycling pauses
+    for 16, then 32, then 64 rounds; the pass without them costs what the table says, and nothing is drafted
+    from the successor table while paused."""
+    policy, recorder = sloped_policy()
+    on = ledger_rounds(policy, recorder, 16 + 16 + 16 + 32 + 16 + 64 + 1, nodes=8, kept=0)
+    runs, current = [], None
+    for state in on:  # lengths of alternating on / off runs
+        if state != current:
+            runs.append(0)
+            current = state
+        runs[-1] += 1
+    assert runs == [16, 16, 16, 32, 16, 64, 1]
+    assert policy.ledger.pauses == 3
+    assert "recycling on (3 pauses so far" in policy.describe()
+
+
+def test_recycling_that_pays_stays_on_and_a_paying_trial_resets_the_backoff():
+    """8 nodes a round at 0.4 steps, 2 of them kept: a kept token is worth about a third of a step (the round's
+    1.6 steps over its 5 tokens), so they pay. One bad stretch pauses recycling; a paying trial then resets the
+    backoff, so the next pause is short again."""
+    policy, recorder = sloped_policy()
+    assert all(ledger_rounds(policy, recorder, 200, nodes=8, kept=2))
+    bad = 0
+    while policy.recycling:
+        ledger_rounds(policy, recorder, 1, nodes=8, kept=0)
+        bad += 1
+    assert 1 < bad < 60 and policy.ledger.pauses == 1  # the good rounds' credit ran out first
+    while not policy.recycling:
+        ledger_rounds(policy, recorder, 1, nodes=8, kept=0)
+    assert policy.ledger.backoff == 2 * RecycleLedger.FIRST_PAUSE
+    assert all(ledger_rounds(policy, recorder, 40, nodes=8, kept=3))
+    assert policy.ledger.backoff == RecycleLedger.FIRST_PAUSE
+
+
+def test_the_time_spent_recording_counts_when_greedy_and_not_when_sampling():
+    """No recycled node is ever drafted. Greedy (timed) pays the recording's seconds for nothing and pauses; a
+    sampling ledger (untimed: a seed's draws must not depend on timing) sees no cost and stays on."""
+    for timed in (True, False):
+        policy, recorder = sloped_policy(timed=timed)
+        on = ledger_rounds(policy, recorder, 40, nodes=0, kept=0, record_seconds=0.01)
+        assert all(on) is not timed, timed
+
+
+@pytest.mark.parametrize("step", ["eager", "static"])
+def test_a_paused_ledger_records_and_drafts_no_recycled_nodes_and_the_output_is_unchanged(step):
+    """Greedy keeps its ledger between calls: paused for 12 rounds, the next call drafts and records nothing
+    recycled for those rounds, reports them, then resumes; the text is `model.generate`'s throughout."""
+    model = tiny_model("llama", torch.float64)
+    prompt = random_prompt(20, seed=1)
+    ref = model.generate(prompt, do_sample=False, max_new_tokens=40)
+    spec = selfspec.wrap(model, plan=RECYCLE_PLANS[0], costs="flat", step=step)
+    assert_same(spec.generate(prompt, max_new_tokens=40), ref, step)
+    assert spec.last_stats.recycling_paused == 0 and spec.last_stats.recycled_drafted > 0
+    ledger = spec.learned[2]
+    ledger.paused = 12
+    recorded = []
+    original = spec.successors.record_top if step == "static" else spec.successors.record
+    setattr(spec.successors, "record_top" if step == "static" else "record",
+            lambda *args: (recorded.append(True), original(*args)))
+    assert_same(spec.generate(prompt, max_new_tokens=40), ref, step)
+    stats = spec.last_stats
+    assert stats.recycling_paused == 12 and ledger.paused == 0
+    assert len(recorded) == stats.rounds - 12 + (step == "eager")  # the prefill's row is recorded eagerly
+    assert stats.recycled_drafted > 0 and "paused 12 rounds" in str(stats)
