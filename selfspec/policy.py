@@ -18,6 +18,11 @@ cut to its best length, and when that is 0 the layers get their turn. Every
 choice uses only what is known before the verify pass (draft tokens and
 confidences, past rounds), so sampling keeps its exact distribution.
 
+Recycled nodes (`recycle.py`) are sized the same way, by their recorded
+probabilities scaled per tree depth (`DepthCalibration`), and a
+`RecycleLedger` checks from outcomes that they pay for their wider passes
+and their recording, pausing them when they do not.
+
 `AdaptivePolicy` (`policy="fixed"`) drafts what the plan says: k tokens, or
 with `adaptive=True` Draft & Verify's confidence threshold with an off switch.
 It is the baseline the cost policy is compared with, and what the tuner
@@ -189,43 +194,41 @@ class DepthCalibration:
 
 @dataclass
 class RecycleLedger:
-    """Whether recycled nodes pay on this model and machine, judged in seconds from what they kept and cost.
+    """Whether recycled nodes pay on this model and machine, judged in seconds from what rounds with them did.
 
     The cost policy adds a recycled node when its calibrated value buys a
-    wider pass (`CostPolicy.recycled_nodes`); that is a prediction, and on a
-    model whose recorded successors rarely hold in a new context it errs: on
-    Gemma 3 270M (bfloat16, AVX512 CPU) 527 recycled nodes were verified in
-    8 prompts and 64 kept, about one in five whatever the recorded
-    probability, while the plan ran 5% behind the same plan without them.
-    The ledger checks the outcome. Each round while recycling is on:
+    wider pass (`CostPolicy.recycled_nodes`); that is a prediction, and it
+    errs on models whose recorded successors rarely hold in a new context.
+    The ledger checks outcomes against what each round would have done
+    without its recycled nodes (`alternative`, left by the policy when it
+    sized them):
 
-    - spent: the verify width the recycled nodes added, priced by the cost
-      table (the pass with them against the pass without), and the time the
-      successor table took to record the round's rows (greedy only);
-    - gained: the recycled tokens kept, each worth the plan's recent
-      seconds per emitted token (a kept token ends the generation that much
-      sooner).
+    - under an n-gram proposal, the proposal alone: it would have emitted
+      the round's tokens less the recycled ones kept (exactly), in the time
+      of its own narrower pass;
+    - a tree of recycled nodes alone: a layer draft (its expected tokens, in
+      its drafting and verifying time: a deep layer draft costs most of a
+      step per token, which a recycled tree saves) or a plain step.
 
-    Both are decayed sums. After `TRIAL` rounds on, when spent exceeds
-    gained, recycling pauses, recording included, for `backoff` rounds, which
-    doubles up to `MAX_PAUSE` each time a trial fails and resets when one
-    pays: a model where recycling does not pay runs at the plan's speed
-    without it, and one where it pays keeps it. A pause only changes what is
-    drafted, never what is kept.
-
-    Under sampling (`timed=False`) the recording time is not counted, and the
-    cost table is the fixed one: a seed's draws decide the pauses, never timing
-    noise.
+    A round gains the tokens it emitted beyond the alternative's, each worth
+    the plan's recent seconds per emitted token (a token more ends the
+    generation that much sooner), and costs its priced time beyond the
+    alternative's (the cost table's: deterministic). Every round while
+    recycling is on also costs the time the successor table took to record
+    its rows (greedy only: a sampled seed's draws must not depend on timing
+    noise). The decayed balance decides: after `TRIAL` rounds on, when it is
+    below zero, recycling pauses, recording included, for `backoff` rounds,
+    which doubles up to `MAX_PAUSE` each time a trial fails and resets when
+    one pays. A pause only changes what is drafted, never what is kept.
     """
 
-    TRIAL = 16  # rounds on before a verdict
+    TRIAL = 32  # rounds on before a verdict
     FIRST_PAUSE = 16  # rounds
     MAX_PAUSE = 256  # rounds
     SMOOTHING = 0.9  # weight of the past in the seconds per emitted token
 
     timed: bool = True  # the recording time counts (greedy runs)
-    gained: float = 0.0  # decayed seconds the kept recycled tokens saved
-    spent: float = 0.0  # decayed seconds the recycled nodes' width and the recording cost
+    balance: float = 0.0  # decayed seconds recycling saved, less what it cost
     rounds_on: int = 0  # rounds since recycling last resumed
     paused: int = 0  # rounds left without recycling
     backoff: int = FIRST_PAUSE
@@ -233,37 +236,43 @@ class RecycleLedger:
     round_seconds: float | None = None  # smoothed priced seconds of a round
     round_tokens: float | None = None  # smoothed tokens a round emitted
     pending: tuple[int, int] = (0, 0)  # this round's recycled nodes: (verified, kept)
+    # Without this round's recycled nodes: (expected emitted tokens, or None: the round's less the recycled kept;
+    # priced seconds)
+    alternative: tuple[float | None, float] = (None, 0.0)
 
     @property
     def active(self) -> bool:
         """Whether this round may record successors and draft recycled nodes."""
         return self.paused == 0
 
-    def observe(self, *, round_seconds: float, emitted: int, extra_seconds: float, record_seconds: float) -> None:
-        """A round ended: priced at `round_seconds`, it emitted `emitted` tokens; its recycled nodes (`pending`)
-        widened its pass by `extra_seconds` and the successor table took `record_seconds` to record it."""
+    def observe(self, *, round_seconds: float, emitted: int, record_seconds: float) -> None:
+        """A round ended: priced at `round_seconds`, it emitted `emitted` tokens, and the successor table took
+        `record_seconds` to record it."""
         self.round_seconds = _smooth(self.round_seconds, round_seconds, self.SMOOTHING)
         self.round_tokens = _smooth(self.round_tokens, float(emitted), self.SMOOTHING)
-        kept, self.pending = self.pending[1], (0, 0)
+        (nodes, kept), self.pending = self.pending, (0, 0)
         if self.paused:
             self.paused -= 1
             return
-        self.gained = DECAY * self.gained + kept * self.round_seconds / self.round_tokens
-        self.spent = DECAY * self.spent + extra_seconds + (record_seconds if self.timed else 0.0)
+        net = -record_seconds if self.timed else 0.0
+        if nodes:
+            tokens, seconds = self.alternative
+            tokens = emitted - kept if tokens is None else tokens
+            net += (emitted - tokens) * self.round_seconds / self.round_tokens - (round_seconds - seconds)
+        self.balance = DECAY * self.balance + net
         self.rounds_on += 1
         if self.rounds_on < self.TRIAL:
             return
-        if self.gained < self.spent:  # the trial failed: pause, and judge the next one on its own rounds
+        if self.balance < 0:  # the trial failed: pause, and judge the next one on its own rounds
             self.paused, self.backoff = self.backoff, min(2 * self.backoff, self.MAX_PAUSE)
-            self.gained = self.spent = 0.0
-            self.rounds_on = 0
+            self.balance, self.rounds_on = 0.0, 0
             self.pauses += 1
         else:
             self.backoff = self.FIRST_PAUSE
 
     def describe(self) -> str:
         state = f"paused for {self.paused} more rounds" if self.paused else "on"
-        return f"recycling {state} ({self.pauses} pauses so far: kept tokens did not pay for their width)"
+        return f"recycling {state} ({self.pauses} pauses so far: what it kept did not pay for it)"
 
 
 @dataclass
@@ -427,14 +436,20 @@ class CostPolicy:
 
     def layer_draft_rate(self) -> float:
         """Expected tokens per second of this round's layer draft at its best length, before drafting (0: none)."""
+        outcome = self.layer_draft_outcome()
+        return outcome[0] / outcome[1] if outcome else 0.0
+
+    def layer_draft_outcome(self) -> tuple[float, float] | None:
+        """This round's layer draft at its best length, before drafting: its expected emitted tokens and its
+        seconds (drafting and verifying), or None when no length pays."""
         reach, expected = self.reach, self.expected
         self.reach, self.expected = 1.0, 1.0
         k = self.draft_length_from(0) if self.round_budget > 0 and self.costs.table.draft_step else 0
         self.reach, self.expected = reach, expected
         if not k:
-            return 0.0
+            return None
         gained = 1.0 + sum(math.prod(self.acceptance.layer_position(j + 1) for j in range(i + 1)) for i in range(k))
-        return gained / (k * self.costs.draft() * self.draft_scale + self.costs.verify(k + 1, self.exact_prefix))
+        return gained, k * self.costs.draft() * self.draft_scale + self.costs.verify(k + 1, self.exact_prefix)
 
     def ngram_reach(self, match_length: int, length: int) -> list[float]:
         """Per token of an n-gram proposal's first `length` tokens: the estimated chance it is accepted."""
@@ -452,11 +467,18 @@ class CostPolicy:
 
         Predictions are scaled by what recycled nodes at the same depth earned
         so far. With no base draft, the tree must also beat a plain step and,
-        when `layers` may draft, the layer draft's expected rate.
+        when `layers` may draft, the layer draft's expected rate. What the
+        round would do without recycled nodes is left with the ledger, which
+        judges the round against it (`RecycleLedger.alternative`).
         """
         best_m, best_rate = 0, base_expected / self.costs.verify(base_nodes + 1)
-        if not base_nodes and layers:
-            best_rate = max(best_rate, self.layer_draft_rate())
+        # Without recycled nodes: the base draft, whose tokens the round's outcome will tell (None), ...
+        self.ledger.alternative = (None, self.costs.verify(base_nodes + 1))
+        outcome = self.layer_draft_outcome() if not base_nodes and layers else None
+        if outcome and outcome[0] / outcome[1] > best_rate:  # ... or the layer draft, whose tokens are expected
+            best_rate, self.ledger.alternative = outcome[0] / outcome[1], outcome
+        elif not base_nodes:  # ... or a plain step: one token
+            self.ledger.alternative = (1.0, self.costs.verify(1))
         gained, ratios = base_expected, self.recycled.ratios()
         for m, (value, depth) in enumerate(zip(values, depths, strict=True), 1):
             gained += ratios[_bucket(depth)] * value
@@ -541,13 +563,11 @@ class CostPolicy:
         resumed = layered and draft.tree is None  # a tree's verify pass runs every layer
         prefix = self.exact_prefix if resumed else 0
         if self.recorder is not None:  # priced before this round's time moves the table
-            recycled = len(draft.recycled)
             seconds = self.costs.verify(width, prefix) + (len(draft.tokens) * self.costs.draft() * self.draft_scale
                                                           if layered else 0.0)
-            extra = self.costs.verify(width) - self.costs.verify(width - recycled) if recycled else 0.0
             recorded, self.recorded = self.recorder.seconds - self.recorded, self.recorder.seconds
             self.ledger.observe(round_seconds=seconds, emitted=accepted + 1 if emitted is None else emitted,
-                                extra_seconds=extra, record_seconds=recorded)
+                                record_seconds=recorded)
         self.costs.observe_verify(width, prefix, verify_seconds)
         if layered:
             self.costs.observe_draft(len(draft.tokens), draft_seconds / self.draft_scale)

@@ -15,7 +15,9 @@ The recorded probabilities were the target's under another context, so they
 are not the chance that a path is accepted; the cost policy scales them by
 what recycled nodes at the same depth actually earned
 (`policy.DepthCalibration`) before it decides how many nodes are worth a
-wider pass.
+wider pass, and its `RecycleLedger` pauses recycling, recording included,
+where what the nodes keep does not pay for them (`SuccessorTable.seconds`
+is the recording's share).
 
 Nothing recorded changes what is kept: the tree's tokens are fixed candidates,
 and the acceptance rules (greedy, or recursive rejection when sampling) keep

@@ -308,7 +308,8 @@ def ledger_rounds(policy: CostPolicy, recorder: Recorder, rounds: int, *, nodes:
         policy.begin_round(8, context=64)
         on.append(policy.recycling)
         recycled = (0.5,) * nodes if on[-1] else ()
-        if recycled:
+        if recycled:  # what `recycled_nodes` leaves: without them, the n-gram tree's own pass
+            policy.ledger.alternative = (None, policy.costs.verify(5))
             policy.observe_recycled(depths=[1] * nodes, values=recycled, kept=[i < kept for i in range(nodes)])
         recorder.seconds += record_seconds if on[-1] else 0.0
         width = 5 + len(recycled)
@@ -331,25 +332,25 @@ def sloped_policy(timed: bool = False) -> tuple[CostPolicy, Recorder]:
 
 
 def test_recycling_that_does_not_pay_pauses_with_a_doubling_backoff():
-    """8 recycled nodes a round (0.4 steps of width) and none kept: after a trial of 16 rounds recycling pauses
-    for 16, then 32, then 64 rounds; the pass without them costs what the table says, and nothing is drafted
-    from the successor table while paused."""
+    """8 recycled nodes a round (0.4 steps of width) and none kept: after a trial of 32 rounds recycling pauses
+    for 16, then 32, then 64 rounds."""
     policy, recorder = sloped_policy()
-    on = ledger_rounds(policy, recorder, 16 + 16 + 16 + 32 + 16 + 64 + 1, nodes=8, kept=0)
+    trial = RecycleLedger.TRIAL
+    on = ledger_rounds(policy, recorder, trial + 16 + trial + 32 + trial + 64 + 1, nodes=8, kept=0)
     runs, current = [], None
     for state in on:  # lengths of alternating on / off runs
         if state != current:
             runs.append(0)
             current = state
         runs[-1] += 1
-    assert runs == [16, 16, 16, 32, 16, 64, 1]
+    assert runs == [trial, 16, trial, 32, trial, 64, 1]
     assert policy.ledger.pauses == 3
     assert "recycling on (3 pauses so far" in policy.describe()
 
 
 def test_recycling_that_pays_stays_on_and_a_paying_trial_resets_the_backoff():
     """8 nodes a round at 0.4 steps, 2 of them kept: a kept token is worth about a third of a step (the round's
-    1.6 steps over its 5 tokens), so they pay. One bad stretch pauses recycling; a paying trial then resets the
+    1.6 steps over its 5 tokens), 0.64 steps for the two, so they pay. One bad stretch pauses recycling; a paying trial then resets the
     backoff, so the next pause is short again."""
     policy, recorder = sloped_policy()
     assert all(ledger_rounds(policy, recorder, 200, nodes=8, kept=2))
@@ -363,6 +364,37 @@ def test_recycling_that_pays_stays_on_and_a_paying_trial_resets_the_backoff():
     assert policy.ledger.backoff == 2 * RecycleLedger.FIRST_PAUSE
     assert all(ledger_rounds(policy, recorder, 40, nodes=8, kept=3))
     assert policy.ledger.backoff == RecycleLedger.FIRST_PAUSE
+
+
+def test_recycled_nodes_are_judged_against_what_the_round_would_have_drafted_without_them():
+    """Under an n-gram proposal: the proposal's own pass (its tokens: the round's less the recycled kept). A
+    recycled tree alone: a plain step, or the layer draft it beat, whose drafting time it saves; there a round
+    that emits no more than the layer draft was expected to still pays when it took much less time."""
+    policy, recorder = sloped_policy()
+    costs = policy.costs
+    policy.recycled_nodes([0.9, 0.5], [1, 2], base_nodes=3, base_expected=2.5, layers=True)
+    assert policy.ledger.alternative == (None, costs.verify(4))
+    policy.recycled_nodes([0.9, 0.5], [1, 2], base_nodes=0, base_expected=1.0, layers=False)
+    assert policy.ledger.alternative == (1.0, costs.verify(1))
+    # A deep layer draft: a drafted token costs half a step, and the layers are expected to be accepted 90%.
+    deep = CostPolicy(selfspec.DraftPlan(recycle=True, layers=[0, 1, 2], tree=16, draft_length=8,
+                                         target_acceptance=0.9),
+                      RuntimeCosts(PassCosts(verify=tuple(1 + 0.05 * q for q in range(17)), draft_step=0.5,
+                                             num_layers=4), learn=False))
+    deep.count_recording(Recorder())
+    deep.begin_round(8, context=64)
+    layer_tokens, layer_seconds = deep.layer_draft_outcome()
+    assert layer_tokens > 1.5 and layer_seconds > 2.0
+    assert deep.recycled_nodes([0.95, 0.9, 0.85], [1, 2, 3], base_nodes=0, base_expected=1.0, layers=True) == 3
+    assert deep.ledger.alternative == (layer_tokens, layer_seconds)
+    deep.observe_recycled(depths=[1, 2, 3], values=[0.95, 0.9, 0.85], kept=[True, False, False])
+    tree = Draft([7], None, [], source="recycled", tree=TokenTree((7, 8, 9), (-1, 0, 1)),
+                 recycled=(0.95, 0.9, 0.85))
+    deep.observe(tree, 0, draft_seconds=0.0, verify_seconds=1.0, width=4, emitted=2)
+    # 2 tokens against the layers' expected 4, in 1.15 steps against their 3.2
+    worth = deep.costs.verify(4) / 2
+    assert deep.ledger.balance == pytest.approx((2 - layer_tokens) * worth + layer_seconds - deep.costs.verify(4))
+    assert deep.ledger.balance > 0
 
 
 def test_the_time_spent_recording_counts_when_greedy_and_not_when_sampling():
