@@ -50,7 +50,7 @@ from .output import Clock, Output
 from .parts import ModelParts, text_config
 from .passes import TargetPasses
 from .plan import DraftPlan
-from .policy import AcceptanceEstimates, AdaptivePolicy, CostPolicy, DepthCalibration
+from .policy import AcceptanceEstimates, AdaptivePolicy, CostPolicy, DepthCalibration, RecycleLedger
 from .quant import describe_quantization
 from .recycle import SuccessorTable, chain_contexts, tree_contexts
 from .registry import adapter_for
@@ -157,7 +157,7 @@ class SelfSpecModel:
         self.successors = SuccessorTable()
         # So do the cost policy's acceptance estimates (`policy.py`): each greedy call goes on from what the
         # earlier ones learned instead of trying every draft source afresh at the plan's prior.
-        self.learned: tuple[AcceptanceEstimates, DepthCalibration] | None = None
+        self.learned: tuple[AcceptanceEstimates, DepthCalibration, RecycleLedger] | None = None
 
     def _resolve_step(self, step: str) -> str:
         if step not in STEPS:
@@ -195,6 +195,12 @@ class SelfSpecModel:
 
     def describe_plan(self) -> str:
         return self.plan.describe(self.parts.num_layers)
+
+    @property
+    def recycle_ledger(self) -> RecycleLedger | None:
+        """Whether recycling pays, as the greedy calls so far judged it (`policy.RecycleLedger`; None before the
+        first greedy call of a cost policy). Its `describe()` says whether recycling is on and how often it paused."""
+        return self.learned[2] if self.learned is not None else None
 
     @property
     def costs(self) -> PassCosts:
