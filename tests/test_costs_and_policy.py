@@ -314,7 +314,7 @@ def test_greedy_calls_go_on_from_what_earlier_ones_learned_and_sampling_does_not
     spec = selfspec.wrap(model, plan=selfspec.DraftPlan(ngram=3, layers=[0, 1], draft_length=4), costs="flat")
     prompt = random_prompt(12, seed=5).repeat(1, 3)  # repeats: the n-gram lookup finds matches
     spec.generate(prompt, max_new_tokens=30)
-    acceptance, calibration = spec.learned
+    acceptance, calibration, ledger = spec.learned
     judged = sum(rate.seen for rate in acceptance.ngram.values()) + sum(rate.seen for rate in acceptance.positions)
     assert judged > 0
     spec.generate(prompt, max_new_tokens=30, do_sample=True, generator=torch.Generator().manual_seed(1))
@@ -322,7 +322,7 @@ def test_greedy_calls_go_on_from_what_earlier_ones_learned_and_sampling_does_not
     after = sum(rate.seen for rate in acceptance.ngram.values()) + sum(rate.seen for rate in acceptance.positions)
     assert after == judged  # ... and left the greedy calls' estimates as they were
     spec.generate(prompt, max_new_tokens=30)
-    assert spec.learned == (acceptance, calibration)  # the next greedy call learned into the same estimates
+    assert spec.learned == (acceptance, calibration, ledger)  # the next greedy call learned into the same estimates
     assert sum(rate.seen for rate in acceptance.positions) + sum(r.seen for r in acceptance.ngram.values()) != judged
 
 
