@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import dataclass, field
 
 from .costs import RuntimeCosts, moving_average
@@ -239,15 +240,21 @@ class RecycleLedger:
     # Without this round's recycled nodes: (expected emitted tokens, or None: the round's less the recycled kept;
     # priced seconds)
     alternative: tuple[float | None, float] = (None, 0.0)
+    recorder: Any = field(default=None, compare=False, repr=False)  # the `recycle.SuccessorTable` it charges
+    recorded: float = 0.0  # the recorder's seconds when last read
+
+    def count_recording(self, successors) -> None:
+        """Charge the time `successors` (a `recycle.SuccessorTable`, or None) spends recording from now on."""
+        self.recorder, self.recorded = successors, successors.seconds if successors is not None else 0.0
 
     @property
     def active(self) -> bool:
         """Whether this round may record successors and draft recycled nodes."""
         return self.paused == 0
 
-    def observe(self, *, round_seconds: float, emitted: int, record_seconds: float) -> None:
-        """A round ended: priced at `round_seconds`, it emitted `emitted` tokens, and the successor table took
-        `record_seconds` to record it."""
+    def observe(self, *, round_seconds: float, emitted: int) -> None:
+        """A round ended: priced at `round_seconds`, it emitted `emitted` tokens."""
+        record_seconds, self.recorded = self.recorder.seconds - self.recorded, self.recorder.seconds
         self.round_seconds = _smooth(self.round_seconds, round_seconds, self.SMOOTHING)
         self.round_tokens = _smooth(self.round_tokens, float(emitted), self.SMOOTHING)
         (nodes, kept), self.pending = self.pending, (0, 0)
@@ -402,8 +409,6 @@ class CostPolicy:
         self.draft_scale = 1.0  # a drafted token's cost relative to the table's draft step (auto plans' other sets)
         self.recycled = DepthCalibration()  # of the recycled nodes' recorded path probabilities, the share kept
         self.ledger = RecycleLedger(timed=costs.learn)  # whether recycling pays (a recycled-draft plan)
-        self.recorder = None  # the successor table whose recording the ledger charges (`count_recording`)
-        self.recorded = 0.0  # its seconds when the ledger last read them
 
     def use_layers(self, key: object, *, exact_prefix: int, draft_scale: float) -> None:
         """Draft with another layer set from the next round (auto plans): its estimates, exact prefix and cost."""
@@ -495,7 +500,7 @@ class CostPolicy:
     def count_recording(self, successors) -> None:
         """Judge recycling by `successors` (a `recycle.SuccessorTable`, or None: not a recycled-draft plan):
         the ledger charges the time it spends recording."""
-        self.recorder, self.recorded = successors, successors.seconds if successors is not None else 0.0
+        self.ledger.count_recording(successors)
 
     @property
     def recycling(self) -> bool:
@@ -562,18 +567,16 @@ class CostPolicy:
         self.acceptance.observe(draft, accepted)
         resumed = layered and draft.tree is None  # a tree's verify pass runs every layer
         prefix = self.exact_prefix if resumed else 0
-        if self.recorder is not None:  # priced before this round's time moves the table
+        if self.ledger.recorder is not None:  # priced before this round's time moves the table
             seconds = self.costs.verify(width, prefix) + (len(draft.tokens) * self.costs.draft() * self.draft_scale
                                                           if layered else 0.0)
-            recorded, self.recorded = self.recorder.seconds - self.recorded, self.recorder.seconds
-            self.ledger.observe(round_seconds=seconds, emitted=accepted + 1 if emitted is None else emitted,
-                                record_seconds=recorded)
+            self.ledger.observe(round_seconds=seconds, emitted=accepted + 1 if emitted is None else emitted)
         self.costs.observe_verify(width, prefix, verify_seconds)
         if layered:
             self.costs.observe_draft(len(draft.tokens), draft_seconds / self.draft_scale)
 
     def describe(self) -> str:
-        recycling = f"; {self.ledger.describe()}" if self.recorder is not None else ""
+        recycling = f"; {self.ledger.describe()}" if self.ledger.recorder is not None else ""
         return f"cost (k by expected tokens/s; acceptance {self.acceptance.summary()}{recycling})"
 
 
