@@ -1,7 +1,12 @@
 """Time one method on one prompt, and measure its peak memory, honestly.
 
 Time: `time.perf_counter()` around the `run` call only, under `torch.no_grad()`,
-with `torch.cuda.synchronize()` before and after on CUDA.
+with `torch.cuda.synchronize()` before and after on CUDA. A streamer
+(`FirstTokenClock`) that every method passes to its `generate` also notes
+when the first new token came out, so the decode alone (the tokens after
+the first, in the time after it) can be told from the prefill: a prompt
+that ends after a few tokens is mostly prefill, and its tokens per second
+say little about decoding.
 
 Memory, on CPU: the peak resident set size (RSS) of the process during the
 call. Linux keeps a high-water mark (`VmHWM` in /proc/self/status); writing "5"
@@ -60,10 +65,46 @@ class Row:
     near_tie: bool | None = None  # both tokens within the dtype's rounding of the target's top logit
     error: str | None = None
     details: dict = field(default_factory=dict)
+    first_token_seconds: float | None = None  # from the call's start to the first new token (`FirstTokenClock`)
 
     @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_seconds(self) -> float | None:
+        """The call's time after its first new token: the decode, prefill apart (None: not known)."""
+        if self.first_token_seconds is None:
+            return None
+        return max(0.0, self.seconds - self.first_token_seconds)
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        """New tokens after the first per second after it (None: not known, or no token after the first)."""
+        decode = self.decode_seconds
+        return (self.new_tokens - 1) / decode if decode and self.new_tokens > 1 else None
+
+
+class FirstTokenClock:
+    """A `generate` streamer that notes the time of the first new token and nothing else.
+
+    `generate` (transformers' and selfspec's) puts the prompt first, then the
+    new tokens; the second `put` is the first new token. On CUDA it waits for
+    the device once, at that token, so the time is the token's, not its launch's.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.puts = 0
+        self.at: float | None = None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.at = _now(self.device)
+
+    def end(self) -> None:
+        pass
 
 
 def measure(method: Method, prompt: Prompt, device: torch.device, *, trim: bool = False) -> Row:
@@ -80,9 +121,10 @@ def measure(method: Method, prompt: Prompt, device: torch.device, *, trim: bool 
     probe = MemoryProbe(device)
     try:
         probe.start()
+        clock = FirstTokenClock(device)
         with torch.no_grad():
             start = _now(device)
-            out, counts = method.run(prompt.input_ids)
+            out, counts = method.run(prompt.input_ids, clock)
             row.seconds = _now(device) - start
         row.peak_bytes, row.peak_increase_bytes = probe.stop()
     except Exception as error:  # a failing method is recorded, the benchmark goes on
@@ -91,6 +133,7 @@ def measure(method: Method, prompt: Prompt, device: torch.device, *, trim: bool 
         return row
     row.output = out[0, prompt.length :].tolist()
     row.new_tokens = len(row.output)
+    row.first_token_seconds = clock.at - start if clock.at is not None else None
     row.verify_passes, row.drafted, row.accepted = counts.verify_passes, counts.drafted, counts.accepted
     row.details = counts.details
     return row

@@ -74,7 +74,7 @@ class PassCounts:
 class Method:
     name: str
     description: str
-    run: Callable[[torch.Tensor], tuple[torch.Tensor, PassCounts]]
+    run: Callable[..., tuple[torch.Tensor, PassCounts]]  # (input_ids, streamer=None): `generate`'s streamer
     settings: dict = field(default_factory=dict)
 
 
@@ -112,7 +112,7 @@ def num_layers(model) -> int:
 def hf_method(name: str, description: str, model, *, max_new_tokens: int, **generate_options) -> Method:
     """A method that calls `model.generate` greedily with `generate_options`."""
 
-    def run(input_ids: torch.Tensor) -> tuple[torch.Tensor, PassCounts]:
+    def run(input_ids: torch.Tensor, streamer=None) -> tuple[torch.Tensor, PassCounts]:
         layers = model.config.num_hidden_layers
         try:
             with LastLayerCounter(model) as counter:
@@ -121,6 +121,7 @@ def hf_method(name: str, description: str, model, *, max_new_tokens: int, **gene
                     attention_mask=torch.ones_like(input_ids),
                     do_sample=False,
                     max_new_tokens=max_new_tokens,
+                    streamer=streamer,
                     **generate_options,
                 )
         finally:
@@ -152,9 +153,9 @@ def hf_static_compile_method(model, *, max_new_tokens: int) -> Method:
                        compile_config=compile_config)
     inner = method.run
 
-    def run(input_ids: torch.Tensor) -> tuple[torch.Tensor, PassCounts]:
+    def run(input_ids: torch.Tensor, streamer=None) -> tuple[torch.Tensor, PassCounts]:
         cache.reset()
-        return inner(input_ids)
+        return inner(input_ids, streamer)
 
     method.run = run
     method.settings = {"cache": f"StaticCache(max_cache_len={STATIC_CACHE_LENGTH})", "compile": "reduce-overhead"}
@@ -170,8 +171,8 @@ def selfspec_method(name: str, description: str, model, plan: DraftPlan, *, max_
                     step: str = "eager") -> Method:
     spec = selfspec.wrap(model, plan=plan, costs=costs, step=step)
 
-    def run(input_ids: torch.Tensor) -> tuple[torch.Tensor, PassCounts]:
-        out = spec.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
+    def run(input_ids: torch.Tensor, streamer=None) -> tuple[torch.Tensor, PassCounts]:
+        out = spec.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, streamer=streamer)
         stats = spec.last_stats
         counts = PassCounts(stats.verify_passes, stats.drafted, stats.accepted, stats.as_dict())
         return out, counts

@@ -10,9 +10,9 @@ other it never reaches a verdict, so recycled drafts and recording run
 every round, as before the ledger. Both warm up, then every prompt runs on
 both in alternating order. Prints the machine, dtype, threads and, per
 prompt and overall, tokens per second, the paired ratio (geometric mean over
-prompts, 95% bootstrap interval, and over the prompts where both wrote the
-same text), recycled nodes verified and kept, and the rounds the ledger
-paused recycling. The full comparison with other methods is
+prompts, 95% bootstrap interval, over the prompts where both wrote the
+same text, and of decode tokens per second, the prefill apart), recycled
+nodes verified and kept, and the rounds the ledger paused recycling. The full comparison with other methods is
 `benchmarks/run.py`.
 """
 
@@ -28,7 +28,7 @@ import torch
 import transformers
 
 import selfspec
-from benchmarks.measure import Row
+from benchmarks.measure import FirstTokenClock, Row
 from benchmarks.report import paired_comparison
 from benchmarks.run import DEFAULT_DATA
 from benchmarks.workload import build_workload
@@ -67,13 +67,15 @@ def main(argv: list[str] | None = None) -> int:
         speed = {}
         for name in (["ledger", "always"] if i % 2 == 0 else ["always", "ledger"]):
             spec = specs[name]
+            clock = FirstTokenClock(model.device)
             began = time.perf_counter()
-            out = spec.generate(prompt.input_ids, max_new_tokens=args.max_new_tokens)
+            out = spec.generate(prompt.input_ids, max_new_tokens=args.max_new_tokens, streamer=clock)
             seconds = time.perf_counter() - began
             stats = spec.last_stats
             rows.append(Row(name, prompt.prompt_id, prompt.category, prompt.input_ids.shape[1],
                             new_tokens=stats.new_tokens, seconds=seconds,
-                            output=out[0, prompt.input_ids.shape[1]:].tolist()))
+                            output=out[0, prompt.input_ids.shape[1]:].tolist(),
+                            first_token_seconds=None if clock.at is None else clock.at - began))
             for key, value in (("recycled", stats.recycled_drafted), ("kept", stats.recycled_accepted),
                                ("paused", stats.recycling_paused)):
                 totals[name][key] += value
@@ -88,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     paired = paired_comparison(rows, "ledger", "always")
     print(f"paired, ledger / always: {paired['ratio']:.3f}x ({paired['low']:.3f}-{paired['high']:.3f}) over "
           f"{paired['prompts']} prompts; same text {paired['same_text_ratio']:.3f}x "
-          f"({paired['same_text_low']:.3f}-{paired['same_text_high']:.3f}) over {paired['same_text_prompts']}")
+          f"({paired['same_text_low']:.3f}-{paired['same_text_high']:.3f}) over {paired['same_text_prompts']}; "
+          f"decode (the prefill apart) {paired['decode_ratio']:.3f}x ({paired['decode_low']:.3f}-"
+          f"{paired['decode_high']:.3f}) over {paired['decode_prompts']}")
     print(f"the ledger at the end: {specs['ledger'].recycle_ledger.describe()}")
     return 0
 

@@ -97,6 +97,7 @@ def aggregate(rows: list[Row]) -> dict:
         "new_tokens": tokens,
         "seconds": seconds,
         "tokens_per_second": tokens / seconds if seconds else None,
+        "decode_tokens_per_second": _decode_rate(ok),
         "median_tokens_per_second": statistics.median(r.tokens_per_second for r in ok) if ok else None,
         "tokens_per_pass": _ratio(ok, "new_tokens", "verify_passes"),
         "acceptance_rate": _ratio(ok, "accepted", "drafted"),
@@ -107,6 +108,14 @@ def aggregate(rows: list[Row]) -> dict:
         "compared": len(compared),
         "timed_peak_bytes": max((r.peak_bytes for r in ok if r.peak_bytes is not None), default=None),
     }
+
+
+def _decode_rate(rows: list[Row]) -> float | None:
+    """New tokens after the first over the time after it, summed over `rows` (None where a row's is not known)."""
+    if not rows or any(r.decode_seconds is None for r in rows):
+        return None
+    seconds = sum(r.decode_seconds for r in rows)
+    return sum(max(0, r.new_tokens - 1) for r in rows) / seconds if seconds else None
 
 
 def _tokens_per_step_read(rows: list[Row]) -> float | None:
@@ -203,7 +212,8 @@ def paired_comparison(rows: list[Row], method: str, reference: str) -> dict:
     """`method` against `reference`, prompt by prompt: the geometric mean of (its tok/s / the reference's tok/s)
     with a 95% bootstrap interval over prompts, over every prompt both ran and over those where both wrote
     the same text (the same work: at a rounding near-tie two lossless methods can write different texts, one
-    longer or easier to draft than the other).
+    longer or easier to draft than the other); and the same over every prompt of decode tokens per second,
+    the prefill apart (`decode_`: a prompt that ends after a few tokens is mostly prefill).
 
     A ratio of totals lets a few long prompts speak for all and moves with
     the machine's drift between runs; pairing each prompt with itself, in
@@ -216,8 +226,11 @@ def paired_comparison(rows: list[Row], method: str, reference: str) -> dict:
     shared = sorted(set(mine) & set(theirs))
     logs = [math.log(mine[p].tokens_per_second / theirs[p].tokens_per_second) for p in shared]
     same = [x for p, x in zip(shared, logs) if mine[p].output == theirs[p].output]
+    decode = [math.log(mine[p].decode_tokens_per_second / theirs[p].decode_tokens_per_second) for p in shared
+              if mine[p].decode_tokens_per_second and theirs[p].decode_tokens_per_second]
     return {"prompts": len(logs), **_geometric(logs), "same_text_prompts": len(same),
-            **{f"same_text_{k}": v for k, v in _geometric(same).items()}}
+            **{f"same_text_{k}": v for k, v in _geometric(same).items()},
+            "decode_prompts": len(decode), **{f"decode_{k}": v for k, v in _geometric(decode).items()}}
 
 
 def _geometric(logs: list[float]) -> dict:
@@ -293,19 +306,21 @@ def markdown(
     lines += [f"- **{key}**: {value}" for key, value in header.items() if not isinstance(value, (dict, list))]
     lines += ["", "## Per method", ""]
     lines += [
-        "| method | tok/s | speedup | median prompt speedup | tokens/pass | tokens/step read | acceptance | "
-        "draft ms/token | identical | peak MiB | working MiB | what it runs |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| method | tok/s | decode tok/s | speedup | median prompt speedup | tokens/pass | tokens/step read | "
+        "acceptance | draft ms/token | identical | peak MiB | working MiB | what it runs |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for method, s in summary["overall"].items():
         lines.append(
-            f"| {method} | {_num(s['tokens_per_second'], '.1f')} | {_num(s['speedup'], '.2f')}x | "
+            f"| {method} | {_num(s['tokens_per_second'], '.1f')} | {_num(s.get('decode_tokens_per_second'), '.1f')} | "
+            f"{_num(s['speedup'], '.2f')}x | "
             f"{_num(s['median_prompt_speedup'], '.2f')}x | {_num(s['tokens_per_pass'], '.2f')} | "
             f"{_num(s['tokens_per_step_read'], '.2f')} | "
             f"{_num(s['acceptance_rate'], '.1%')} | {_num(s['draft_ms_per_token'], '.1f')} | {_identical(s)} | "
             f"{_mib(s['memory_peak_bytes'])} | {_mib(s['memory_increase_bytes'])} | {descriptions.get(method, '')} |"
         )
-    lines += ["", "tokens/step read: new tokens per plain step of weights the passes read (layers, LM head, draft "
+    lines += ["", "decode tok/s: the tokens after the first in the time after it (the prefill apart).",
+              "", "tokens/step read: new tokens per plain step of weights the passes read (layers, LM head, draft "
               "vocabulary rows; selfspec only): the speed over plain decoding on a machine where a pass costs what "
               "it reads, wide or narrow. A projection, not a timing."]
     if variants:
@@ -370,9 +385,11 @@ def _paired_lines(paired: dict | None) -> list[str]:
         return []
     lines = ["", f"## Paired with {paired['reference']}, prompt by prompt", "",
              "Geometric mean over prompts of (method tok/s / reference tok/s), the same run, 95% bootstrap interval; "
-             "then over the prompts where both wrote the same text.", "",
-             "| method | vs reference | 95% interval | prompts | same text: vs reference | 95% interval | prompts |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "then over the prompts where both wrote the same text; then over every prompt, of decode tok/s "
+             "(the tokens after the first in the time after it: the prefill apart).", "",
+             "| method | vs reference | 95% interval | prompts | same text: vs reference | 95% interval | prompts | "
+             "decode: vs reference | 95% interval | prompts |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def cells(c: dict, prefix: str = "") -> str:
         ratio, low, high = c[prefix + "ratio"], c[prefix + "low"], c[prefix + "high"]
@@ -380,7 +397,8 @@ def _paired_lines(paired: dict | None) -> list[str]:
         return f"{_num(ratio, '.3f')}x | {span} | {c[prefix + 'prompts']}"
 
     for method, c in paired["methods"].items():
-        lines.append(f"| {method} | {cells(c)} | {cells(c, 'same_text_')} |")
+        decode = cells(c, "decode_") if "decode_ratio" in c else "n/a | n/a | 0"  # runs written before it
+        lines.append(f"| {method} | {cells(c)} | {cells(c, 'same_text_')} | {decode} |")
     return lines
 
 

@@ -9,6 +9,7 @@ stops early (never a near-tie).
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import torch
@@ -111,6 +112,47 @@ def test_the_paired_comparison_is_a_geometric_mean_of_per_prompt_ratios_with_its
     assert set(summary["paired"]["methods"]) == {"fast", "mixed"}
     table = report.markdown({}, summary, rows, {}, {})
     assert "## Paired with selfspec-plan" in table and "| fast | 2.000x | 2.00-2.00 | 4 | 2.000x | 2.00-2.00 | 4 |" in table
+
+
+def test_decode_speed_leaves_the_prefill_out_of_the_paired_comparison():
+    """Two methods that decode alike, one with a prompt that ended after 2 tokens: its tokens per second are
+    mostly prefill and move the all-prompts mean; the decode mean sets it apart."""
+    rows = []
+    for method, prefill in (("selfspec-plan", 0.5), ("other", 0.5)):
+        rows.append(Row(method, "p0", "c", 3, new_tokens=11, seconds=prefill + 1.0, first_token_seconds=prefill))
+    rows.append(Row("selfspec-plan", "p1", "c", 3, new_tokens=2, seconds=0.6, first_token_seconds=0.5))
+    rows.append(Row("other", "p1", "c", 3, new_tokens=11, seconds=1.5, first_token_seconds=0.5))  # 10 after the first
+    paired = report.paired_comparison(rows, "other", "selfspec-plan")
+    assert paired["ratio"] == pytest.approx(math.sqrt(1.0 * (11 / 1.5) / (2 / 0.6)))
+    assert paired["decode_prompts"] == 2 and paired["decode_ratio"] == pytest.approx(1.0)  # 10 tok/s each
+    assert report.aggregate([r for r in rows if r.method == "other"])["decode_tokens_per_second"] == pytest.approx(10)
+    unknown = Row("hf-greedy", "p0", "c", 3, new_tokens=11, seconds=1.5)  # a run written before the clock
+    assert unknown.decode_tokens_per_second is None and report.aggregate([unknown])["decode_tokens_per_second"] is None
+
+
+def test_every_method_notes_its_first_token_and_keeps_its_output():
+    """The harness's streamer sees the first new token of transformers' `generate` and of selfspec's alike."""
+    from benchmarks.measure import FirstTokenClock, measure
+    from benchmarks.methods import hf_method, selfspec_method
+    from benchmarks.workload import Prompt
+    from selfspec.testing import random_prompt, tiny_model
+    import selfspec
+
+    model = tiny_model("llama", torch.float32)
+    prompt = Prompt("p", "c", "", random_prompt(12, seed=3))
+    methods = [hf_method("hf-greedy", "", model, max_new_tokens=12),
+               selfspec_method("selfspec-plan", "", model, selfspec.DraftPlan(exit_layer=1, draft_length=3),
+                               max_new_tokens=12)]
+    rows = [measure(method, prompt, torch.device("cpu")) for method in methods]
+    for row in rows:
+        assert row.error is None and row.new_tokens == 12
+        assert 0 < row.first_token_seconds < row.seconds and row.decode_tokens_per_second > 0
+    assert rows[0].output == rows[1].output
+    clock = FirstTokenClock(torch.device("cpu"))
+    clock.put(torch.tensor([[1, 2]]))
+    assert clock.at is None  # the prompt is not a new token
+    clock.put(torch.tensor([3]))
+    assert clock.at is not None
 
 
 def test_a_paired_comparison_reads_a_finished_run_back(tmp_path, capsys):
