@@ -6,7 +6,9 @@ with `torch.cuda.synchronize()` before and after on CUDA. A streamer
 when the first new token came out, so the decode alone (the tokens after
 the first, in the time after it) can be told from the prefill: a prompt
 that ends after a few tokens is mostly prefill, and its tokens per second
-say little about decoding.
+say little about decoding. (transformers' `generate` copies each new token
+to the host for a streamer; its loop waits for the device every step to
+check its stopping criteria anyway.)
 
 Memory, on CPU: the peak resident set size (RSS) of the process during the
 call. Linux keeps a high-water mark (`VmHWM` in /proc/self/status); writing "5"
