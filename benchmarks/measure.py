@@ -108,6 +108,10 @@ class FirstTokenClock:
     def end(self) -> None:
         pass
 
+    def since(self, start: float) -> float | None:
+        """Seconds from `start` (a `time.perf_counter()` reading) to the first new token; None if none came."""
+        return None if self.at is None else self.at - start
+
 
 def measure(method: Method, prompt: Prompt, device: torch.device, *, trim: bool = False) -> Row:
     """Run `method` on `prompt` once; `trim` first returns the allocator's free memory to the OS.
@@ -135,7 +139,7 @@ def measure(method: Method, prompt: Prompt, device: torch.device, *, trim: bool 
         return row
     row.output = out[0, prompt.length :].tolist()
     row.new_tokens = len(row.output)
-    row.first_token_seconds = clock.at - start if clock.at is not None else None
+    row.first_token_seconds = clock.since(start)
     row.verify_passes, row.drafted, row.accepted = counts.verify_passes, counts.drafted, counts.accepted
     row.details = counts.details
     return row

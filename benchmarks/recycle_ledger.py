@@ -12,8 +12,8 @@ both in alternating order. Prints the machine, dtype, threads and, per
 prompt and overall, tokens per second, the paired ratio (geometric mean over
 prompts, 95% bootstrap interval, over the prompts where both wrote the
 same text, and of decode tokens per second, the prefill apart), recycled
-nodes verified and kept, and the rounds the ledger paused recycling. The full comparison with other methods is
-`benchmarks/run.py`.
+nodes verified and kept, and the rounds the ledger paused recycling. The
+full comparison with other methods is `benchmarks/run.py`.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(Row(name, prompt.prompt_id, prompt.category, prompt.input_ids.shape[1],
                             new_tokens=stats.new_tokens, seconds=seconds,
                             output=out[0, prompt.input_ids.shape[1]:].tolist(),
-                            first_token_seconds=None if clock.at is None else clock.at - began))
+                            first_token_seconds=clock.since(began)))
             for key, value in (("recycled", stats.recycled_drafted), ("kept", stats.recycled_accepted),
                                ("paused", stats.recycling_paused)):
                 totals[name][key] += value

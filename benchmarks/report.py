@@ -312,7 +312,7 @@ def markdown(
     ]
     for method, s in summary["overall"].items():
         lines.append(
-            f"| {method} | {_num(s['tokens_per_second'], '.1f')} | {_num(s.get('decode_tokens_per_second'), '.1f')} | "
+            f"| {method} | {_num(s['tokens_per_second'], '.1f')} | {_num(s['decode_tokens_per_second'], '.1f')} | "
             f"{_num(s['speedup'], '.2f')}x | "
             f"{_num(s['median_prompt_speedup'], '.2f')}x | {_num(s['tokens_per_pass'], '.2f')} | "
             f"{_num(s['tokens_per_step_read'], '.2f')} | "
@@ -397,8 +397,7 @@ def _paired_lines(paired: dict | None) -> list[str]:
         return f"{_num(ratio, '.3f')}x | {span} | {c[prefix + 'prompts']}"
 
     for method, c in paired["methods"].items():
-        decode = cells(c, "decode_") if "decode_ratio" in c else "n/a | n/a | 0"  # runs written before it
-        lines.append(f"| {method} | {cells(c)} | {cells(c, 'same_text_')} | {decode} |")
+        lines.append(f"| {method} | {cells(c)} | {cells(c, 'same_text_')} | {cells(c, 'decode_')} |")
     return lines
 
 

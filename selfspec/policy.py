@@ -35,12 +35,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .costs import RuntimeCosts, moving_average
 from .draft import Draft
 from .plan import DraftPlan
+
+if TYPE_CHECKING:
+    from .recycle import SuccessorTable
 
 CONFIDENCE_BINS = 10
 POSITION_BUCKETS = 4  # draft positions 1, 2, 3, 4+
@@ -240,11 +243,11 @@ class RecycleLedger:
     # Without this round's recycled nodes: (expected emitted tokens, or None: the round's less the recycled kept;
     # priced seconds)
     alternative: tuple[float | None, float] = (None, 0.0)
-    recorder: Any = field(default=None, compare=False, repr=False)  # the `recycle.SuccessorTable` it charges
+    recorder: SuccessorTable | None = field(default=None, compare=False, repr=False)  # the table it charges
     recorded: float = 0.0  # the recorder's seconds when last read
 
-    def count_recording(self, successors) -> None:
-        """Charge the time `successors` (a `recycle.SuccessorTable`, or None) spends recording from now on."""
+    def count_recording(self, successors: SuccessorTable | None) -> None:
+        """Charge the time `successors` (None: no table) spends recording from now on."""
         self.recorder, self.recorded = successors, successors.seconds if successors is not None else 0.0
 
     @property
@@ -497,8 +500,8 @@ class CostPolicy:
         self.recycled.observe(depths=depths, values=values, kept=kept)
         self.ledger.pending = (len(values), sum(kept))
 
-    def count_recording(self, successors) -> None:
-        """Judge recycling by `successors` (a `recycle.SuccessorTable`, or None: not a recycled-draft plan):
+    def count_recording(self, successors: SuccessorTable | None) -> None:
+        """Judge recycling by `successors` (None: not a recycled-draft plan):
         the ledger charges the time it spends recording."""
         self.ledger.count_recording(successors)
 
