@@ -5,7 +5,8 @@ A `BatchSession` holds the sequences that decode together. Each is a
 own logits processors, sampling settings and generator) and its stats; the
 n-gram acceptance estimates are the session's, learned from every row's
 rounds (by match length and position, as the single-sequence cost policy
-learns them), so a batch learns its traffic eight times as fast and a
+learns them, a proposal's first uncut token judged by the token the pass
+emitted there), so a batch learns its traffic eight times as fast and a
 joining row starts from what the others taught. A row joins with `add` (its prompt's prefill, one pass
 of its own) and leaves when it is done; `step` runs one round for every row:
 
@@ -379,7 +380,7 @@ class BatchSession:
         self.acceptance.decay()  # once per round: old evidence fades
         self.calibration.decay()
         accepted = 0
-        for i, (row, draft, (_, match_length)) in enumerate(zip(self.rows, drafts, proposals)):
+        for i, (row, draft, (proposal, match_length)) in enumerate(zip(self.rows, drafts, proposals)):
             # 4. accept, with the row's own scores
             scores = row.scorer.scores(logits[i, : len(draft) + 1], row.out.tokens + draft, len(row.out.tokens))
             if row.scorer.do_sample:
@@ -397,6 +398,9 @@ class BatchSession:
                 self.acceptance.observe(Draft(draft, None, [], source="ngram", match_length=match_length),
                                         verdict.accepted)
                 accepted += verdict.accepted
+            if verdict.accepted == len(draft) < len(proposal):  # the pass's own token judges the first uncut one
+                self.acceptance.observe_copied(match_length, len(draft) + 1,
+                                               [verdict.next_token == proposal[len(draft)]])
             if row.done:
                 finished.append(row)
         if k:

@@ -62,6 +62,9 @@ class Drafter:
         self.ngram = plan.ngram
         self.ngrams = NgramIndex(plan.ngram)  # the n-gram lookup of the sequence `indexed_tokens` (it only grows)
         self.indexed_tokens: list[int] | None = None
+        # This sequence's last n-gram proposal, until the tokens emitted after it judge it: where it starts in
+        # the sequence, its match length, its tokens, and how many of them its round verified.
+        self.offer: tuple[int, int, tuple[int, ...], int] | None = None
         self.tree_nodes = plan.tree  # a round may verify a token tree of up to this many nodes
         self.set_layers(plan.draft_layers(num_layers))
         self.head = head
@@ -229,12 +232,14 @@ class Drafter:
         if not self.ngram:
             return None
         if tokens is not self.indexed_tokens:  # a new sequence (each generation's grows in place): a new index
-            self.ngrams, self.indexed_tokens = NgramIndex(self.ngram), tokens
+            self.ngrams, self.indexed_tokens, self.offer = NgramIndex(self.ngram), tokens, None
+        self.judge_offer(tokens, policy)
         paths, match_length = self.ngrams.continuations(tokens, budget=policy.round_budget,
                                                         branches=TREE_BRANCHES if self.tree_nodes else 1)
         if not paths:
             return None
         copied = paths[0][: policy.ngram_length(match_length, len(paths[0]))]
+        self.offer = (len(tokens), match_length, tuple(paths[0]), len(copied))
         if not copied:
             return None
         if len(paths) > 1:
@@ -247,6 +252,24 @@ class Drafter:
             probs = torch.zeros(len(copied), vocab_size, device=device)  # [k, vocab]
             probs[torch.arange(len(copied)), torch.tensor(copied)] = 1.0
         return Draft(copied, probs, [], source="ngram", match_length=match_length)
+
+    def judge_offer(self, tokens: list[int], policy) -> None:
+        """Tell `policy` how the last n-gram proposal's unverified tokens fared against what was emitted since.
+
+        Its round verified its first v tokens (0 when it was cut to nothing):
+        those the policy has learned from already. From token v + 1 on, as
+        far as tokens were emitted and up to the first that differs, each is
+        judged as a verify pass would have judged it.
+        """
+        if self.offer is None:
+            return
+        start, match_length, proposal, verified = self.offer
+        self.offer = None
+        emitted = tokens[start : start + len(proposal)]
+        agreed = next((j for j, (a, b) in enumerate(zip(proposal, emitted)) if a != b), len(emitted))
+        judged = min(agreed + 1, len(emitted))  # the agreeing tokens, and the first that differs
+        if judged > verified:
+            policy.observe_unverified(match_length, verified + 1, [j < agreed for j in range(verified, judged)])
 
     def step(self, runner: LayerRunner, token: int | torch.Tensor, position: int,
              boundary: list[torch.Tensor] | None = None) -> torch.Tensor:

@@ -14,7 +14,12 @@ length of the match that found them and the token's position in the
 proposal (a copy that starts right tends to go on right). A layer draft is decided one token at a
 time: after each drafted token its confidence is known, and drafting goes on
 only while some longer draft still beats stopping now. An n-gram proposal is
-cut to its best length, and when that is 0 the layers get their turn. Every
+cut to its best length, and when that is 0 the layers get their turn. The
+tokens the target then emits also judge the proposal's tokens no verify pass
+saw (`Drafter.judge_offer`), so a copy cut to nothing still teaches its
+estimate: greedy, a token is accepted exactly when it is the one emitted;
+sampling, the emitted token is the proposed one with the chance the proposal
+would have been accepted. Every
 choice uses only what is known before the verify pass (draft tokens and
 confidences, past rounds), so sampling keeps its exact distribution.
 
@@ -362,11 +367,17 @@ class AcceptanceEstimates:
         for i in range(seen):
             ok = i < accepted
             if draft.source == "ngram":
-                self.ngram.setdefault(draft.match_length, Rate()).add(ok)
-                self.ngram_cells.setdefault((draft.match_length, _bucket(i + 1)), Rate()).add(ok)
+                self.observe_copied(draft.match_length, i + 1, [ok])
             else:
                 self.positions[_bucket(i + 1)].add(ok)
                 self.cells[_bucket(i + 1)][_bin(draft.confidences[i])].add(ok)
+
+    def observe_copied(self, match_length: int, first: int, outcomes: Sequence[bool]) -> None:
+        """Tokens at positions `first`, `first` + 1, ... of an n-gram proposal (1-based) were (True) or were
+        not (False) what the target emitted there."""
+        for i, ok in enumerate(outcomes):
+            self.ngram.setdefault(match_length, Rate()).add(ok)
+            self.ngram_cells.setdefault((match_length, _bucket(first + i)), Rate()).add(ok)
 
     def decay(self, factor: float = DECAY, *, layers_drafted: bool = True) -> None:
         """Old evidence fades by `factor` a round; the layer estimates by `IDLE_DECAY` in a round that drafted
@@ -494,6 +505,11 @@ class CostPolicy:
             if rate > best_rate * (1 + 1e-9):
                 best_m, best_rate = m, rate
         return best_m
+
+    def observe_unverified(self, match_length: int, first: int, outcomes: Sequence[bool]) -> None:
+        """What the target emitted where an n-gram proposal's tokens from position `first` on went unverified
+        (`Drafter.judge_offer`): evidence no verify pass gave, so a copy judged poor is not written off for good."""
+        self.acceptance.observe_copied(match_length, first, outcomes)
 
     def observe_recycled(self, *, depths: Sequence[int], values: Sequence[float], kept: Sequence[bool]) -> None:
         """A verified tree held recycled nodes at `depths` with `values`; `kept[i]`: node i was on the kept path."""
@@ -642,6 +658,9 @@ class AdaptivePolicy:
     def recycled_nodes(self, values: Sequence[float], depths: Sequence[int], *, base_nodes: int,
                        base_expected: float, layers: bool) -> int:
         return len(values)  # a recycled tree fills the plan's node budget, whatever it costs
+
+    def observe_unverified(self, match_length: int, first: int, outcomes: Sequence[bool]) -> None:
+        pass  # the fixed policy verifies every n-gram proposal whole
 
     def observe_recycled(self, *, depths: Sequence[int], values: Sequence[float], kept: Sequence[bool]) -> None:
         pass  # the fixed policy does not size trees

@@ -116,6 +116,35 @@ def test_cost_policy_cuts_ngram_proposals_by_what_their_match_length_earned():
     assert p.ngram_length(3, 8) == 8  # 3-token matches always were: all of it pays, even there
 
 
+def test_a_copy_written_off_is_verified_again_once_what_was_emitted_agrees_with_it():
+    """A match length whose first tokens were rejected gets its proposals cut to nothing, so no verify pass judges
+    it again; what the plain steps then emit does, and copies that come true are soon verified again, where the
+    fading of old evidence alone would take a hundred rounds."""
+
+    def written_off() -> CostPolicy:
+        p = CostPolicy(selfspec.DraftPlan(ngram=3, draft_length=8), RuntimeCosts(avx2_table(), learn=False))
+        for _ in range(10):
+            p.acceptance.observe(Draft([5, 6, 7], None, [], source="ngram", match_length=3), accepted=0)
+            p.acceptance.decay()
+        p.begin_round(8)
+        assert p.ngram_length(3, 8) == 0
+        return p
+
+    def rounds_until_verified(p: CostPolicy, told: bool) -> int:
+        rounds = 0
+        while not p.ngram_length(3, 8) and rounds < 1000:
+            p.acceptance.decay()
+            if told:  # this round's plain step emitted the token the (unverified) copy proposed next
+                p.observe_unverified(3, 1, [True])
+            rounds += 1
+        return rounds
+
+    told = written_off()
+    assert rounds_until_verified(told, told=True) <= 8
+    assert told.acceptance.ngram_cells[(3, 0)].accepted > 0  # position 1's cell (bucket 0) learned it
+    assert rounds_until_verified(written_off(), told=False) >= 50
+
+
 def test_acceptance_counts_only_what_the_target_saw():
     est = AcceptanceEstimates(prior=0.5)
     est.observe(Draft([1, 2, 3, 4], None, [], confidences=[0.9, 0.9, 0.9, 0.9]), accepted=1)

@@ -102,3 +102,43 @@ def test_the_drafter_indexes_each_sequence_apart():
     first += [5, 1, 2]  # grows in place: indexed on from where it was; the latest continuation first
     assert drafter.ngram_draft(first, Whole(), greedy, 10, "cpu").tree.tokens[:2] == (5, 1)
     assert drafter.ngram_draft([7, 1, 2], Whole(), greedy, 10, "cpu") is None  # no earlier (1, 2) in this one
+
+
+def test_proposals_no_verify_pass_saw_are_judged_by_what_was_emitted():
+    """An n-gram proposal cut short (or to nothing) still teaches its estimate: the tokens emitted after it say
+    what a verify pass would have said of the tokens it did not see, up to the first that differs."""
+    from selfspec.draft import Drafter
+
+    class CutTo:  # verifies the first `keep` tokens of every proposal; notes what it is told of the rest
+        round_budget = 4
+
+        def __init__(self):
+            self.keep, self.told = 0, []
+
+        def ngram_length(self, match_length, available):
+            return min(self.keep, available)
+
+        def observe_unverified(self, match_length, first, outcomes):
+            self.told.append((match_length, first, outcomes))
+
+    drafter = Drafter(selfspec.DraftPlan(ngram=2), num_layers=2)
+    policy, greedy = CutTo(), types.SimpleNamespace(do_sample=False)
+    tokens = [1, 2, 3, 4, 9, 1, 2]
+    assert drafter.ngram_draft(tokens, policy, greedy, 10, "cpu") is None  # (3, 4, 9, 1) offered, none verified
+    tokens += [3]  # a plain step emitted the first proposed token
+    policy.keep = 1
+    assert drafter.ngram_draft(tokens, policy, greedy, 10, "cpu").tokens == [4]  # (4, 9, 1, 2) offered, 1 verified
+    assert policy.told == [(2, 1, [True])]
+    tokens += [4, 9]  # the verified token was accepted, and the pass's own next token was the second proposed
+    policy.keep = 0
+    assert drafter.ngram_draft(tokens, policy, greedy, 10, "cpu") is None  # (1, 2, 3, 4) offered
+    assert policy.told[1:] == [(2, 2, [True])]  # position 1 was the verify pass's to judge; position 2 is new
+    tokens += [7, 7]  # a round emitted two tokens, the first already not the proposed one
+    policy.keep = 2
+    assert drafter.ngram_draft(tokens, policy, greedy, 10, "cpu").tokens == [7]  # after the match (7,): (7,)
+    assert policy.told[2:] == [(2, 1, [False])]  # judged up to the first that differs, not beyond
+    tokens += [5, 1, 2]  # (7,) was verified whole and rejected: nothing more to tell
+    assert drafter.ngram_draft(tokens, policy, greedy, 10, "cpu").tokens == [3, 4]
+    tokens += [8]  # the verify pass rejected the first verified token: it learned that itself
+    drafter.ngram_draft(tokens, policy, greedy, 10, "cpu")
+    assert policy.told[3:] == []
