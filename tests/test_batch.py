@@ -244,3 +244,18 @@ def test_the_session_learns_acceptance_from_every_row():
     seen = [rate for rate in session.acceptance.ngram.values() if rate.seen > 0]
     assert seen and any(rate.estimate(NGRAM.target_acceptance, 2.0) != pytest.approx(NGRAM.target_acceptance)
                         for rate in seen)
+
+
+def test_a_batch_that_never_drafts_still_learns_its_copies():
+    """Where no copy pays (q tokens cost q steps), every round is a plain step; the token each row's pass emits
+    still judges the first token of the row's proposal, so the estimates follow the traffic."""
+    model = tiny_model("llama", torch.float64)
+    session = selfspec.wrap(model, plan=selfspec.DraftPlan(ngram=2, draft_length=4), costs="linear").batch_session()
+    rows = [session.add(repetitive(18, seed=s), max_new_tokens=24, do_sample=False) for s in (1, 3)]
+    while len(session):
+        session.step()
+    assert all(row.stats.drafted == 0 for row in rows)
+    judged = {(match, bucket): rate for (match, bucket), rate in session.acceptance.ngram_cells.items() if rate.seen}
+    assert judged and all(bucket == 0 for _, bucket in judged)  # the first token of a proposal, and only it
+    assert sum(rate.seen for rate in judged.values()) == pytest.approx(
+        sum(rate.seen for rate in session.acceptance.ngram.values()))
