@@ -54,9 +54,8 @@ import torch
 from .acceptance import accept_greedy, accept_sampling
 from .cpu_kernels import NO_ATTENTION_CHANGE, NO_CHANGE, AttentionKernels, LinearKernels, cpu_kernels
 from .costs import MEASURE_CONTEXT, PassCosts, RuntimeCosts, fastest, interpolate, long_context, machine_description
-from .draft import Draft
 from .hf_generation import GenerationSettings
-from .ngram import NgramIndex
+from .ngram import NgramIndex, agreement
 from .output import Clock, Output
 from .parts import ModelParts, soft_cap
 from .plan import DraftPlan
@@ -394,13 +393,10 @@ class BatchSession:
             row.out.emit(draft[: verdict.accepted] + [verdict.next_token])
             row.stats.record_round(drafted=len(draft), accepted=verdict.accepted, draft_seconds=draft_seconds / n,
                                    verify_seconds=verify_seconds / n, source="ngram" if draft else "layers")
-            if draft:
-                self.acceptance.observe(Draft(draft, None, [], source="ngram", match_length=match_length),
-                                        verdict.accepted)
-                accepted += verdict.accepted
-            if verdict.accepted == len(draft) < len(proposal):  # the pass's own token judges the first uncut one
-                self.acceptance.observe_copied(match_length, len(draft) + 1,
-                                               [verdict.next_token == proposal[len(draft)]])
+            # The verified tokens as the verify pass judged them, and the first uncut one by the pass's own token.
+            self.acceptance.observe_copied(match_length, 1,
+                                           agreement(proposal, draft[: verdict.accepted] + [verdict.next_token]))
+            accepted += verdict.accepted
             if row.done:
                 finished.append(row)
         if k:

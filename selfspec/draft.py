@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .head import ExitHead
-from .ngram import NgramIndex
+from .ngram import NgramIndex, agreement
 from .plan import DraftPlan
 from .recycle import SuccessorTable
 from .runner import LayerRunner
@@ -265,11 +265,9 @@ class Drafter:
             return
         start, match_length, proposal, verified = self.offer
         self.offer = None
-        emitted = tokens[start : start + len(proposal)]
-        agreed = next((j for j, (a, b) in enumerate(zip(proposal, emitted)) if a != b), len(emitted))
-        judged = min(agreed + 1, len(emitted))  # the agreeing tokens, and the first that differs
-        if judged > verified:
-            policy.observe_unverified(match_length, verified + 1, [j < agreed for j in range(verified, judged)])
+        judged = agreement(proposal, tokens[start:])
+        if len(judged) > verified:
+            policy.observe_unverified(match_length, verified + 1, judged[verified:])
 
     def step(self, runner: LayerRunner, token: int | torch.Tensor, position: int,
              boundary: list[torch.Tensor] | None = None) -> torch.Tensor:

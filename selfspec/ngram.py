@@ -30,6 +30,17 @@ def longest_match(tokens: list[int], *, max_ngram: int, budget: int) -> tuple[li
     return [], 0
 
 
+def agreement(proposal, emitted) -> list[bool]:
+    """A proposal's tokens judged against the tokens emitted in their places, as a verify pass judges a draft:
+    each that agreed (True), then the first that differed (False), if one did; as far as tokens were emitted."""
+    judged = []
+    for proposed, token in zip(proposal, emitted):
+        judged.append(proposed == token)
+        if proposed != token:
+            break
+    return judged
+
+
 def continuations(tokens: list[int], *, max_ngram: int, budget: int, branches: int) -> tuple[list[list[int]], int]:
     """Up to `branches` different continuations of the longest matched suffix (latest match first) and its length.
 
