@@ -10,9 +10,11 @@ The times come from the measured cost table (`costs.RuntimeCosts`). Expected
 tokens come from acceptance learned online (`AcceptanceEstimates`), per
 source: for layer drafts by the token's position in the round and the
 draft's confidence in it (its top probability); for n-gram proposals by the
-length of the match that found them and the token's position in the
-proposal (a copy that starts right tends to go on right). A layer draft is decided one token at a
-time: after each drafted token its confidence is known, and drafting goes on
+length of the match that found them (how far back the copy's context
+agrees, `ngram.matched_length`: 1, 2, 3, 4, 5-7, 8-15, 16+) and the token's
+position in the proposal (a copy that starts right tends to go on right).
+A layer draft is decided one token at a time: after each drafted token its
+confidence is known, and drafting goes on
 only while some longer draft still beats stopping now. An n-gram proposal is
 cut to its best length, and when that is 0 the layers get their turn. The
 tokens the target then emits also judge the proposal's tokens no verify pass
@@ -299,8 +301,8 @@ class AcceptanceEstimates:
     cells: list[list[Rate]] = field(
         default_factory=lambda: [[Rate() for _ in range(CONFIDENCE_BINS)] for _ in range(POSITION_BUCKETS)]
     )
-    ngram: dict[int, Rate] = field(default_factory=dict)  # by match length
-    ngram_cells: dict[tuple[int, int], Rate] = field(default_factory=dict)  # by (match length, position bucket)
+    ngram: dict[int, Rate] = field(default_factory=dict)  # by match length bucket (`_match_bucket`)
+    ngram_cells: dict[tuple[int, int], Rate] = field(default_factory=dict)  # by (match length bucket, position bucket)
     # An auto plan (`auto_layers.py`) drafts with several layer sets: each keeps its own layer estimates,
     # swapped into `positions` / `cells` by `use_layer_set`.
     layer_sets: dict[object, tuple[list[Rate], list[list[Rate]]]] = field(default_factory=dict)
@@ -350,8 +352,10 @@ class AcceptanceEstimates:
         """Acceptance of the copied token at `position` (1-based) of a proposal, given those before were accepted.
 
         A copy that starts right tends to go on right, so the first token and
-        the later ones are counted apart.
+        the later ones are counted apart; and one whose context agrees further
+        back is right more often, so matches are counted apart by their length.
         """
+        match_length = _match_bucket(match_length)
         marginal = self.ngram.setdefault(match_length, Rate()).estimate(self.prior, PRIOR_WEIGHT)
         cell = self.ngram_cells.setdefault((match_length, _bucket(position)), Rate())
         return cell.estimate(marginal, SHRINK)
@@ -375,6 +379,7 @@ class AcceptanceEstimates:
     def observe_copied(self, match_length: int, first: int, outcomes: Sequence[bool]) -> None:
         """Tokens at positions `first`, `first` + 1, ... of an n-gram proposal (1-based) were (True) or were
         not (False) what the target emitted there."""
+        match_length = _match_bucket(match_length)
         for i, ok in enumerate(outcomes):
             self.ngram.setdefault(match_length, Rate()).add(ok)
             self.ngram_cells.setdefault((match_length, _bucket(first + i)), Rate()).add(ok)
@@ -401,6 +406,12 @@ class AcceptanceEstimates:
 
 def _bucket(position: int) -> int:
     return min(position, POSITION_BUCKETS) - 1
+
+
+def _match_bucket(match_length: int) -> int:
+    """The estimates' key for an n-gram match of `match_length` tokens: the length up to 4, then 5 (5-7),
+    8 (8-15) or 16 (16 and more)."""
+    return next((bound for bound in (16, 8, 5) if match_length >= bound), match_length)
 
 
 def _bin(confidence: float) -> int:

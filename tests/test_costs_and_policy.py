@@ -403,6 +403,22 @@ def test_ngram_acceptance_is_counted_by_position_in_the_proposal():
     assert p.ngram_length(2, 8) == 0
 
 
+def test_ngram_acceptance_is_counted_by_how_far_back_the_match_agrees():
+    """A copy whose context agrees over 16+ tokens and one that agrees over exactly 3 are counted apart (lengths
+    5-7, 8-15 and 16+ each share a count), so the short ones are verified short and the long ones long."""
+    est = AcceptanceEstimates(prior=0.5)
+    for i in range(60):
+        est.observe(Draft([1, 2, 3, 4, 5, 6, 7, 8], None, [], source="ngram", match_length=3), accepted=0)
+        est.observe(Draft([1, 2, 3, 4, 5, 6, 7, 8], None, [], source="ngram", match_length=16 + i % 9), accepted=8)
+    assert est.ngram_token(3, 1) < 0.1 and est.ngram_token(24, 1) > 0.9 and est.ngram_token(16, 5) > 0.9
+    assert est.ngram_token(32, 1) > 0.9  # never seen at 32 exactly: it shares the count of 16+
+    assert est.ngram_token(15, 1) == est.ngram_token(8, 1) == pytest.approx(0.5)  # 8-15: nothing seen, the prior
+    table = PassCosts((1.0, 1.48, 1.85, 2.21, 2.26, 2.31, 2.36, 2.41, 2.45), 0.9, 30)  # as measured, bf16, AVX512
+    p = CostPolicy(selfspec.DraftPlan(ngram=3, draft_length=8), RuntimeCosts(table, learn=False))
+    p.acceptance = est
+    assert p.ngram_length(3, 8) == 0 and p.ngram_length(20, 8) == 8
+
+
 @pytest.mark.parametrize("plan", [
     selfspec.DraftPlan(ngram=1, exit_layer=3, draft_length=8, adaptive=True, policy="fixed"),
     selfspec.DraftPlan(ngram=2, layers=[0, 2, 4], draft_length=6),

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import selfspec
 from plan_strategies import assert_same
-from selfspec.ngram import NgramIndex, continuations, longest_match, lookup
+from selfspec.ngram import MATCH_CAP, NgramIndex, continuations, longest_match, lookup, matched_length
 from selfspec.testing import random_prompt, tiny_model
 
 
@@ -22,6 +22,25 @@ def test_lookup_copies_what_followed_the_latest_longest_match():
     assert lookup([1, 2, 3], max_ngram=2, budget=4) == []  # no earlier match
     assert lookup([4, 4], max_ngram=2, budget=5) == [4]  # n=1 match at the start
     assert lookup([1, 2, 1], max_ngram=1, budget=0) == []
+
+
+def test_a_match_that_agrees_further_back_is_copied_first_and_says_how_far():
+    """At n = max_ngram the occurrence whose context agrees furthest back is copied (the latest among equals),
+    and the match length returned is how far back it agrees; below max_ngram nothing changes."""
+    # (1, 2, 3) occurred twice: at 6, after 9, and at 1, after 5, as the end is: that one agrees over 4 tokens.
+    tokens = [5, 1, 2, 3, 8, 9, 1, 2, 3, 6, 7, 5, 1, 2, 3]
+    assert longest_match(tokens, max_ngram=3, budget=3) == ([8, 9, 1], 4)
+    assert matched_length(tokens, 6, 3) == 3 and matched_length(tokens, 1, 3) == 4
+    assert continuations(tokens, max_ngram=3, budget=2, branches=2) == ([[8, 9], [6, 7]], 4)
+    assert longest_match(tokens, max_ngram=4, budget=3) == ([8, 9, 1], 4)  # (5, 1, 2, 3) matched outright
+    # Both occurrences agree over exactly 3 tokens: the latest first, as below max_ngram.
+    tokens = [1, 2, 3, 8, 0, 1, 2, 3, 9, 4, 1, 2, 3]
+    assert longest_match(tokens, max_ngram=3, budget=3) == ([9, 4, 1], 3)
+    # Below max_ngram: no earlier (4, 2, 3) or (5, 2, 3), so every (2, 3) agrees over 2 tokens; the latest first.
+    assert longest_match([4, 2, 3, 8, 6, 2, 3, 9, 5, 2, 3], max_ngram=3, budget=1) == ([9], 2)
+    # A long repeat is measured up to MATCH_CAP.
+    run = list(range(100, 100 + MATCH_CAP + 10))
+    assert longest_match(run + [7] + run, max_ngram=3, budget=1) == ([7], MATCH_CAP)
 
 
 @pytest.mark.parametrize(
@@ -127,16 +146,18 @@ def test_proposals_no_verify_pass_saw_are_judged_by_what_was_emitted():
     assert drafter.ngram_draft(tokens, policy, greedy, 10, "cpu") is None  # (3, 4, 9, 1) offered, none verified
     tokens += [3]  # a plain step emitted the first proposed token
     policy.keep = 1
-    assert drafter.ngram_draft(tokens, policy, greedy, 10, "cpu").tokens == [4]  # (4, 9, 1, 2) offered, 1 verified
+    # (4, 9, 1, 2) offered, 1 verified; its match (2, 3) agrees a token further back: (1, 2, 3), length 3
+    assert drafter.ngram_draft(tokens, policy, greedy, 10, "cpu").tokens == [4]
     assert policy.told == [(2, 1, [True])]
     tokens += [4, 9]  # the verified token was accepted, and the pass's own next token was the second proposed
     policy.keep = 0
-    assert drafter.ngram_draft(tokens, policy, greedy, 10, "cpu") is None  # (1, 2, 3, 4) offered
-    assert policy.told[1:] == [(2, 2, [True])]  # position 1 was the verify pass's to judge; position 2 is new
+    # (1, 2, 3, 4) offered: its match (4, 9) agrees back to the sequence's start, (1, 2, 3, 4, 9): length 5
+    assert drafter.ngram_draft(tokens, policy, greedy, 10, "cpu") is None
+    assert policy.told[1:] == [(3, 2, [True])]  # position 1 was the verify pass's to judge; position 2 is new
     tokens += [7, 7]  # a round emitted two tokens, the first already not the proposed one
     policy.keep = 2
     assert drafter.ngram_draft(tokens, policy, greedy, 10, "cpu").tokens == [7]  # after the match (7,): (7,)
-    assert policy.told[2:] == [(2, 1, [False])]  # judged up to the first that differs, not beyond
+    assert policy.told[2:] == [(5, 1, [False])]  # judged up to the first that differs, not beyond
     tokens += [5, 1, 2]  # (7,) was verified whole and rejected: nothing more to tell
     assert drafter.ngram_draft(tokens, policy, greedy, 10, "cpu").tokens == [3, 4]
     tokens += [8]  # the verify pass rejected the first verified token: it learned that itself
