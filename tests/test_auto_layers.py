@@ -17,7 +17,8 @@ import torch
 
 import selfspec
 from plan_strategies import assert_same
-from selfspec.auto_layers import HOLD_ELEMENTS, INFLUENCE_DECAY, AutoLayers, LayerInfluence, candidate_budgets, exact_prefix, layers_for
+from selfspec.auto_layers import (HOLD_ELEMENTS, INFLUENCE_DECAY, PROBE_ROWS, AutoLayers, LayerInfluence,
+                                  candidate_budgets, exact_prefix, layers_for)
 from selfspec.costs import PassCosts, RuntimeCosts
 from selfspec.draft import Draft, Drafter
 from selfspec.passes import TargetPasses
@@ -64,14 +65,16 @@ def test_influence_ranks_a_layer_that_changes_nothing_last():
 def test_influence_folds_a_pass_at_once_as_one_report_per_layer_would():
     """Reports are held until the pass's last layer and reduced together; the averages equal the
     per-layer rule, with the exact prefix's 1-row reports and the rest's wider ones in one pass, and a
-    layer reported twice before a pass ends counted in order."""
+    layer reported twice before a pass ends counted in order; a long pass counts its last PROBE_ROWS rows."""
     gen = torch.Generator().manual_seed(1)
     influence, expected = LayerInfluence(4, torch.device("cpu")), [None] * 4
 
-    def report(layer: int, rows: int) -> None:
-        before, after = torch.randn(2, 1, rows, 8, generator=gen).to(torch.bfloat16)
+    def report(layer: int, rows: int, hidden: int = 8) -> None:
+        before, after = torch.randn(2, 1, rows, hidden, generator=gen).to(torch.bfloat16)
         influence(layer, before, after)
-        change = 1.0 - torch.nn.functional.cosine_similarity(before.float(), after.float(), dim=-1).mean().item()
+        last = slice(max(0, rows - PROBE_ROWS), rows)
+        change = 1.0 - torch.nn.functional.cosine_similarity(before[:, last].float(), after[:, last].float(),
+                                                             dim=-1).mean().item()
         past = expected[layer]
         expected[layer] = change if past is None else past + (change - past) * (1.0 - INFLUENCE_DECAY)
 
@@ -84,7 +87,8 @@ def test_influence_folds_a_pass_at_once_as_one_report_per_layer_would():
     report(1, 3)  # a report not yet folded in: reading the averages folds it
     assert influence.change.tolist() == pytest.approx(expected, abs=1e-5)
     assert influence.seen == [True] * 4 and not influence.pending
-    report(0, HOLD_ELEMENTS // 8)  # a long prompt's layer: folded in as it runs, not held to the pass's end
+    # A long prompt's layer: its last rows only, folded in as it runs, not held to the pass's end.
+    report(0, 3 * PROBE_ROWS, hidden=HOLD_ELEMENTS // PROBE_ROWS)
     assert not influence.pending and influence.change.tolist() == pytest.approx(expected, abs=1e-5)
 
 
@@ -229,6 +233,26 @@ def test_graphs_step_probes_only_the_prefill(monkeypatch):
     ref = model.generate(prompt, do_sample=False, max_new_tokens=30)
     assert_same(spec.generate(prompt, max_new_tokens=30), ref, "auto, prefill probe only")
     assert all(probed[0].influence.seen)  # the prefill reported every layer
+
+
+@pytest.mark.parametrize("costs, probed", [("linear", False), ("flat", True)])
+def test_verify_passes_report_layer_changes_only_while_some_set_would_draft(monkeypatch, costs, probed):
+    """Where a verify pass costs a step per token no layer set pays: the prefill reports, verify passes do not.
+    Where passes are flat the sets draft, and every few verify passes report."""
+    verify, reported = TargetPasses.verify, []
+
+    def noting(self, *args, **kwargs):
+        reported.append(self.probe is not None)
+        return verify(self, *args, **kwargs)
+
+    monkeypatch.setattr(TargetPasses, "verify", noting)
+    model = tiny_model("llama")
+    prompt = repetitive_prompt(8)
+    spec = selfspec.wrap(model, plan=AUTO, costs=costs)
+    assert_same(spec.generate(prompt, max_new_tokens=40), model.generate(prompt, do_sample=False, max_new_tokens=40),
+                f"auto, costs={costs}")
+    assert len(reported) > 8 and any(reported) == probed
+    assert (spec.last_stats.layer_drafted > 0) == probed
 
 
 def test_plan_field_json_and_strings():
