@@ -44,7 +44,7 @@ class Draft:
     boundary: list[torch.Tensor]  # k x [1, 1, hidden]: states after the exact prefix for inputs x, d_1..d_{k-1}
     source: str = "layers"  # "layers", or "ngram" (copied from an earlier match; no boundary states)
     confidences: list[float] = field(default_factory=list)  # per drafted token: the draft's top probability
-    match_length: int = 0  # n-gram drafts: the length of the matched suffix
+    match_length: int = 0  # n-gram drafts: how far back the match agrees (`ngram.matched_length`)
     tree: TokenTree | None = None  # n-gram continuations or a layer draft as a tree (`tree.py`); `tokens`: its first path
     path_probs: tuple[float, ...] = ()  # a layer tree: per node, the draft's probability of the path to it
     recycled: tuple[float, ...] = ()  # a tree's last len(recycled) nodes are recycled (`recycle.py`): their values
