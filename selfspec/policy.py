@@ -14,9 +14,9 @@ length of the match that found them (how far back the copy's context
 agrees, `ngram.matched_length`: 1, 2, 3, 4, 5-7, 8-15, 16+) and the token's
 position in the proposal (a copy that starts right tends to go on right).
 A layer draft is decided one token at a time: after each drafted token its
-confidence is known, and drafting goes on
-only while some longer draft still beats stopping now. An n-gram proposal is
-cut to its best length, and when that is 0 the layers get their turn. The
+confidence is known, and drafting goes on only while some longer draft
+still beats stopping now. An n-gram proposal is cut to its best length,
+and when that is 0 the layers get their turn. The
 tokens the target then emits also judge the proposal's tokens no verify pass
 saw (`Drafter.judge_offer`), so a copy cut to nothing still teaches its
 estimate: greedy, a token is accepted exactly when it is the one emitted;

@@ -101,6 +101,30 @@ def test_ngram_index_equals_the_continuations_scan_as_a_sequence_grows(tokens, m
             tokens[:length], max_ngram=max_ngram, budget=budget, branches=branches)
 
 
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2), min_size=2, max_size=80), max_ngram=st.integers(1, 4))
+def test_the_copy_comes_from_the_occurrence_that_agrees_furthest_back(tokens, max_ngram):
+    """Counted by brute force: the match length returned is how far back the copied occurrence agrees with the
+    end (up to MATCH_CAP), and no occurrence among the latest OCCURRENCES_RANKED agrees further back."""
+    from selfspec.ngram import OCCURRENCES_RANKED
+
+    def agrees(j: int, n: int) -> int:  # how far back the occurrence of the last n tokens at j agrees
+        k = 0
+        while k < min(j + n, MATCH_CAP) and tokens[j + n - 1 - k] == tokens[len(tokens) - 1 - k]:
+            k += 1
+        return k
+
+    copy, length = longest_match(tokens, max_ngram=max_ngram, budget=len(tokens))
+    if not copy:
+        return
+    n = min(length, max_ngram)
+    starts = [j for j in range(len(tokens) - n - 1, -1, -1) if tokens[j : j + n] == tokens[len(tokens) - n :]]
+    copied_from = [j for j in starts if tokens[j + n : j + n + len(copy)] == copy and agrees(j, n) == length]
+    assert copied_from, "the copy follows an occurrence that agrees over the length returned"
+    ranked = starts[:OCCURRENCES_RANKED] if n == max_ngram else starts[:1]
+    assert length == max(agrees(j, n) for j in ranked)
+
+
 def test_the_drafter_indexes_each_sequence_apart():
     """A new token list (another generation) gets a new index: nothing of the last sequence is matched."""
     from selfspec.draft import Drafter
