@@ -25,9 +25,10 @@ Two signals, both already at hand:
   follow the budget, not the exact set: as the ranking moves, a budget's set
   may trade a layer, and it keeps what the budget learned instead of being
   tried afresh at the optimistic prior. When no set beats plain steps the
-  cost policy drafts nothing from the layers, and verify passes stop
-  reporting layer changes until the choice finds a set that would draft
-  again; the ranking then starts from what was reported before.
+  cost policy drafts nothing from the layers, verify passes stop reporting
+  layer changes and the choice runs every `CHOOSE_EVERY_IDLE` rounds, until
+  it finds a set that would draft again; the ranking then starts from what
+  was reported before.
 
 Changing the set between rounds is free: a verify pass writes every layer's
 entries, so at the top of a round every layer holds the target's entries for
@@ -53,6 +54,7 @@ from .plan import auto_reference_layers
 BUDGET_FRACTIONS = (0.5, 0.67, 0.83)  # candidate layer budgets, as fractions of the layer count (and N - 1)
 PROBE_EVERY = 4  # rounds between verify passes that report layer changes
 CHOOSE_EVERY = 4  # rounds between choices of the layer set
+CHOOSE_EVERY_IDLE = 16  # ... while the last choice found no set that would draft (their estimates fade slowly)
 INFLUENCE_DECAY = 0.8  # weight of the past in the per-layer moving average
 HOLD_ELEMENTS = 1 << 18  # layer reports held for one batched reduction, at most (values of their inputs)
 PROBE_ROWS = 64  # a pass's last rows that report (a long prompt's prefill: the rows nearest what comes next)
@@ -188,7 +190,7 @@ class AutoLayers:
     def before_round(self, policy) -> None:
         """At the top of a round: every few rounds re-pick the set, and say whether this round's verify pass
         reports layer changes (only while some set would draft: otherwise the ranking would go unused)."""
-        if self.rounds % CHOOSE_EVERY == 0:
+        if self.rounds % (CHOOSE_EVERY if self.drafting else CHOOSE_EVERY_IDLE) == 0:
             self.choose(policy)
         probe = self.probe_verify and self.drafting and self.rounds % PROBE_EVERY == 0
         self.passes.probe = self.influence if probe else None

@@ -17,8 +17,8 @@ import torch
 
 import selfspec
 from plan_strategies import assert_same
-from selfspec.auto_layers import (HOLD_ELEMENTS, INFLUENCE_DECAY, PROBE_ROWS, AutoLayers, LayerInfluence,
-                                  candidate_budgets, exact_prefix, layers_for)
+from selfspec.auto_layers import (CHOOSE_EVERY_IDLE, HOLD_ELEMENTS, INFLUENCE_DECAY, PROBE_ROWS, AutoLayers,
+                                  LayerInfluence, candidate_budgets, exact_prefix, layers_for)
 from selfspec.costs import PassCosts, RuntimeCosts
 from selfspec.draft import Draft, Drafter
 from selfspec.passes import TargetPasses
@@ -237,15 +237,21 @@ def test_graphs_step_probes_only_the_prefill(monkeypatch):
 
 @pytest.mark.parametrize("costs, probed", [("linear", False), ("flat", True)])
 def test_verify_passes_report_layer_changes_only_while_some_set_would_draft(monkeypatch, costs, probed):
-    """Where a verify pass costs a step per token no layer set pays: the prefill reports, verify passes do not.
-    Where passes are flat the sets draft, and every few verify passes report."""
-    verify, reported = TargetPasses.verify, []
+    """Where a verify pass costs a step per token no layer set pays: the prefill reports, verify passes do not,
+    and the choice runs every CHOOSE_EVERY_IDLE rounds. Where passes are flat the sets draft, every few verify
+    passes report, and the choice runs every CHOOSE_EVERY rounds."""
+    verify, choose, reported, chosen = TargetPasses.verify, AutoLayers.choose, [], []
 
     def noting(self, *args, **kwargs):
         reported.append(self.probe is not None)
         return verify(self, *args, **kwargs)
 
+    def counting(self, policy):
+        chosen.append(self.rounds)
+        return choose(self, policy)
+
     monkeypatch.setattr(TargetPasses, "verify", noting)
+    monkeypatch.setattr(AutoLayers, "choose", counting)
     model = tiny_model("llama")
     prompt = repetitive_prompt(8)
     spec = selfspec.wrap(model, plan=AUTO, costs=costs)
@@ -253,6 +259,8 @@ def test_verify_passes_report_layer_changes_only_while_some_set_would_draft(monk
                 f"auto, costs={costs}")
     assert len(reported) > 8 and any(reported) == probed
     assert (spec.last_stats.layer_drafted > 0) == probed
+    idle = [r % CHOOSE_EVERY_IDLE == 0 for r in chosen[1:]]  # after the first choice, at round 0
+    assert len(chosen) > 2 and all(idle) != probed
 
 
 def test_plan_field_json_and_strings():

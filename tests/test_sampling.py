@@ -477,7 +477,7 @@ AUTO_CASE = "T=1, auto layers re-chosen every round (flat profile), k<=3"
 CASES[AUTO_CASE] = (selfspec.DraftPlan(auto=True, draft_length=3), dict(temperature=1.0),
                     LogitsProcessorList([]))
 COSTS[AUTO_CASE] = "flat"
-PATCHES = {AUTO_CASE: {"CHOOSE_EVERY": 1, "PROBE_EVERY": 1}}
+PATCHES = {AUTO_CASE: {"CHOOSE_EVERY": 1, "CHOOSE_EVERY_IDLE": 1, "PROBE_EVERY": 1}}
 # A layer draft as a tree: the exit head's draft grown level by level (each level's likeliest nodes, their tokens
 # the draft's top choices after the warpers), verified by recursive rejection.
 HEAD_TREE_CASE = "T=0.8, top_p=0.9, head drafts a tree (levels of its likeliest nodes, <= 6 nodes), k=3"
