@@ -19,6 +19,9 @@ This module only searches token lists; it knows nothing of models or caches.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from itertools import chain, islice
+
 MATCH_CAP = 32  # how far back a match's agreement is measured, in tokens
 OCCURRENCES_RANKED = 16  # the latest occurrences of a max_ngram suffix, ranked by how far back they agree
 
@@ -45,7 +48,7 @@ def matched_length(tokens: list[int], start: int, n: int) -> int:
     return agreed
 
 
-def _ranked(tokens: list[int], starts, n: int, max_ngram: int) -> tuple[list[int], int]:
+def _ranked(tokens: list[int], starts: Iterable[int], n: int, max_ngram: int) -> tuple[Iterable[int], int]:
     """Earlier occurrences' `starts` (the latest first) in the order they are copied from, and the first's
     match length.
 
@@ -54,11 +57,11 @@ def _ranked(tokens: list[int], starts, n: int, max_ngram: int) -> tuple[list[int
     the latest first. At max_ngram the latest `OCCURRENCES_RANKED` go first,
     the one that agrees furthest back first (the latest among equals).
     """
-    starts = list(starts)
     if n < max_ngram:
-        return starts, n
-    head = sorted(((matched_length(tokens, j, n), j) for j in starts[:OCCURRENCES_RANKED]), key=lambda c: -c[0])
-    return [j for _, j in head] + starts[OCCURRENCES_RANKED:], head[0][0]
+        return starts, n  # read lazily: `_follow` stops at its branches
+    starts = iter(starts)
+    head = sorted(((matched_length(tokens, j, n), j) for j in islice(starts, OCCURRENCES_RANKED)), key=lambda c: -c[0])
+    return chain((j for _, j in head), starts), head[0][0]
 
 
 def agreement(proposal, emitted) -> list[bool]:
@@ -92,7 +95,7 @@ def continuations(tokens: list[int], *, max_ngram: int, budget: int, branches: i
     return [], 0
 
 
-def _follow(tokens: list[int], starts: list[int], n: int, budget: int, branches: int) -> list[list[int]]:
+def _follow(tokens: list[int], starts: Iterable[int], n: int, budget: int, branches: int) -> list[list[int]]:
     """The different continuations after `starts` (in order), up to `branches`."""
     found: list[list[int]] = []
     for j in starts:
@@ -113,8 +116,8 @@ class NgramIndex:
     appended since the last one, then looks the suffixes up, longest first,
     in `_ranked`'s order: the same tokens and match length as the scans. The
     caller keeps one index per sequence (a new sequence, a new index); per
-    token it costs O(max_ngram), and a query O(occurrences) list steps and at
-    most `OCCURRENCES_RANKED` x `MATCH_CAP` token compares.
+    token it costs O(max_ngram), and a query O(occurrences read), at most
+    `OCCURRENCES_RANKED` x `MATCH_CAP` token compares among them.
     """
 
     def __init__(self, max_ngram: int) -> None:
