@@ -167,8 +167,27 @@ def fast_step(model) -> str:
     return "graphs" if next(model.parameters()).device.type == "cuda" else "static"
 
 
+HELD = "held"  # `costs=HELD`: each plan's cost table measured once, then injected (`held_costs`)
+_held_tables: dict[tuple, object] = {}  # (model, plan, step) -> PassCosts, for the process
+
+
+def held_costs(model, plan: DraftPlan, step: str):
+    """The plan's cost table as this machine measures it (or its cache holds it), measured once per process and
+    then injected: an injected table is never refined by the rounds' timings, so plans compared in one run price
+    their passes the same from the first prompt to the last (refined tables part ways with the timing noise, and
+    two plans then decide differently on the same text). None where the plan decides without a table."""
+    if not (plan.drafts and plan.policy == "cost"):
+        return None
+    key = (id(model), repr(plan.to_dict()), step)
+    if key not in _held_tables:
+        _held_tables[key] = selfspec.wrap(model, plan=plan, step=step).costs
+    return _held_tables[key]
+
+
 def selfspec_method(name: str, description: str, model, plan: DraftPlan, *, max_new_tokens: int, costs=None,
                     step: str = "eager") -> Method:
+    if costs == HELD:
+        costs = held_costs(model, plan, step)
     spec = selfspec.wrap(model, plan=plan, costs=costs, step=step)
 
     def run(input_ids: torch.Tensor, streamer=None) -> tuple[torch.Tensor, PassCounts]:

@@ -77,10 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run selfspec with this plan as method 'plan:NAME' (repeatable; for ablations)")
     p.add_argument("--early-exit-sweep", help="comma list of E for hf-early-exit (default: ~L/5, L/3, L/2)")
     p.add_argument("--sweep-prompts", type=int, default=3, help="prompts the early-exit sweep times (default 3)")
-    p.add_argument("--costs", choices=["linear", "flat"],
+    p.add_argument("--costs", choices=["linear", "flat", "held"],
                    help="decide selfspec's draft lengths with this cost profile instead of the measured costs "
                         "(linear: q tokens cost q steps, as AVX2 bfloat16; flat: up to 16 cost one step, as a GPU); "
-                        "the times are still this machine's")
+                        "the times are still this machine's. held: the measured costs, each plan's table measured "
+                        "once and not refined by the rounds' timings (plan A/Bs: the plans price passes alike)")
     p.add_argument("--prompt-lookup", type=int, default=10, help="prompt_lookup_num_tokens (default 10)")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help=f"Spec-Bench questions (default {DEFAULT_DATA})")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "results", help="results folder (default results/)")
@@ -141,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                                    variant=variant_label(args, variant))
         methods += built
         failed.update(bad)
-    injected = f"profile {args.costs!r} injected; " if args.costs else ""
+    injected = {None: "", "held": "measured once per plan and held (not refined); "}.get(
+        args.costs, f"profile {args.costs!r} injected; ")
     header["pass costs"] = injected + per_variant(methods, "costs", bool(args.variants))
     print(f"pass costs: {header['pass costs']}", flush=True)
     header["cpu kernels"] = per_variant(methods, "kernels", bool(args.variants))

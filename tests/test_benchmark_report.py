@@ -9,6 +9,7 @@ stops early (never a near-tie).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -294,3 +295,38 @@ def test_every_method_shows_its_memory_pass_peak():
     assert "peak MiB | working MiB" in per_method
     for i, m in enumerate(("hf-greedy", "x", "y")):
         assert f"| {300 + i} | {10 + i} |" in per_method.split(f"| {m} |", 1)[1].splitlines()[0]
+
+
+def test_held_costs_are_measured_once_per_plan_and_never_refined(tmp_path, monkeypatch):
+    """`--costs held`: every method of one plan is handed the one table measured for it, and an injected table
+    is what the rounds price passes with, after the last prompt as before the first; a plan that decides
+    without a table gets none."""
+    from benchmarks.methods import HELD, selfspec_method
+    from selfspec.costs import PassCosts
+    from selfspec.testing import random_prompt, tiny_model
+    import selfspec
+
+    monkeypatch.setenv("SELFSPEC_COSTS_CACHE", str(tmp_path))
+    wrapped = []
+    original = selfspec.wrap
+
+    def recording_wrap(model, **options):
+        spec = original(model, **options)
+        wrapped.append((options.get("costs"), spec))
+        return spec
+
+    monkeypatch.setattr(selfspec, "wrap", recording_wrap)
+    model = tiny_model("llama", torch.float32)
+    plan = selfspec.DraftPlan(exit_layer=1, draft_length=3)
+    methods = [selfspec_method("selfspec-plan", "", model, plan, max_new_tokens=n, costs=HELD) for n in (4, 12)]
+    handed = [costs for costs, _ in wrapped if costs is not None]
+    assert len(handed) == 2 and isinstance(handed[0], PassCosts) and handed[0] is handed[1]
+    spec = wrapped[-1][1]
+    for seed in range(3):
+        output, counts = methods[1].run(random_prompt(12, seed=seed))
+        assert output.shape[1] == 24 and counts.verify_passes > 0
+    assert spec.costs is handed[0] and not spec.measured_costs  # no table of the rounds' own, to refine
+    wrapped.clear()
+    selfspec_method("selfspec-fixed", "", model, dataclasses.replace(plan, policy="fixed"), max_new_tokens=12,
+                    costs=HELD)
+    assert [costs for costs, _ in wrapped] == [None]
