@@ -36,6 +36,7 @@ This module does not time, compare or report.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -168,7 +169,7 @@ def fast_step(model) -> str:
 
 
 HELD = "held"  # `costs=HELD`: each plan's cost table measured once, then injected (`held_costs`)
-_held_tables: dict[tuple, object] = {}  # (model, plan, step) -> PassCosts, for the process
+_held_tables = weakref.WeakKeyDictionary()  # model -> {(plan, step): PassCosts}
 
 
 def held_costs(model, plan: DraftPlan, step: str):
@@ -178,10 +179,11 @@ def held_costs(model, plan: DraftPlan, step: str):
     two plans then decide differently on the same text). None where the plan decides without a table."""
     if not (plan.drafts and plan.policy == "cost"):
         return None
-    key = (id(model), repr(plan.to_dict()), step)
-    if key not in _held_tables:
-        _held_tables[key] = selfspec.wrap(model, plan=plan, step=step).costs
-    return _held_tables[key]
+    tables = _held_tables.setdefault(model, {})
+    key = (repr(plan.to_dict()), step)
+    if key not in tables:
+        tables[key] = selfspec.wrap(model, plan=plan, step=step).costs
+    return tables[key]
 
 
 def selfspec_method(name: str, description: str, model, plan: DraftPlan, *, max_new_tokens: int, costs=None,
