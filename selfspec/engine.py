@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import warnings
 
 import torch
 
@@ -28,7 +29,8 @@ from .acceptance import accept_greedy, accept_sampling
 from .adapter import Adapter
 from .artifacts import model_identity
 from .auto_layers import AutoLayers, layer_weights
-from .batch import BatchSession, measure_batch_costs
+from .batch import BatchSession
+from .batch_runner import measure_batch_costs
 from .costs import (
     PassCosts,
     RuntimeCosts,
@@ -451,9 +453,13 @@ class SelfSpecModel:
         `session.step()` runs one round for every row and returns the rows
         that finished.
         """
+        if self.plan.drafts and (self.plan.tree or self.plan.recycle):
+            warnings.warn(f"plan {self.describe_plan()!r}: a batch drafts chains (its rows take no token trees "
+                          f"or recycled nodes); one sequence drafts them", stacklevel=2)
         return BatchSession(self.parts, self.plan, settings_for=self._row_settings, costs_for=self._batch_costs,
                             check_context=self._check_context, linear=self.linear_kernels(),
-                            attention=self.attention_kernels())
+                            attention=self.attention_kernels(), draft_layers=self._batch_draft_layers(),
+                            head=self.head, vocab=self.vocab)
 
     def _row_settings(self, prompt: list[int], *, logits_processor, stopping_criteria, kwargs,
                       generation_config=None, tokenizer=None) -> GenerationSettings:
@@ -464,18 +470,30 @@ class SelfSpecModel:
                                 tokenizer=tokenizer, device=device, kwargs=kwargs)
 
     def _batch_costs(self, rows: int, learn: bool) -> RuntimeCosts:
-        """What a pass over `rows` rows costs here, by width: measured once per row count (and cached on disk)."""
+        """What a pass over `rows` rows costs here, by width, and a draft step over them: measured once per row
+        count (and cached on disk)."""
         if self.injected_costs is not None:  # a profile prices each row's share as one sequence's pass
             table = self.injected_costs
-            return RuntimeCosts(dataclasses.replace(table, verify=tuple(t * rows for t in table.verify)), learn=False)
+            return RuntimeCosts(dataclasses.replace(table, verify=tuple(t * rows for t in table.verify),
+                                                    draft_step=table.draft_step * rows), learn=False)
         key = (torch.get_num_threads(), str(self.parts.device), rows)
         if key not in self.batch_costs:
             width = self.plan.draft_length + 1
-            table = load_or_measure(costs_cache_dir(), self._costs_key(batch_rows=rows, batch_width=width),
-                                    lambda: measure_batch_costs(self.parts, rows=rows, max_width=width))
+            layers = self._batch_draft_layers()
+            draft = {"draft": self.describe_plan()} if layers else {}
+            table = load_or_measure(costs_cache_dir(), self._costs_key(batch_rows=rows, batch_width=width, **draft),
+                                    lambda: measure_batch_costs(self.parts, rows=rows, max_width=width,
+                                                                draft_layers=layers, head=self.head, vocab=self.vocab))
             self.batch_costs[key] = RuntimeCosts(table)
         runtime = self.batch_costs[key]
         return runtime if learn else RuntimeCosts(runtime.table, learn=False)
+
+    def _batch_draft_layers(self) -> tuple[int, ...]:
+        """The layers a batch's draft step runs: the plan's (an auto plan's reference set), or 0..E-1 and a head."""
+        layers = self.plan.draft_layers(self.parts.num_layers)
+        if self.head is not None:
+            layers = (*range(self.head.exit_layer), self.head.slot)
+        return tuple(layers)
 
     def _generate_rows(self, input_ids: torch.Tensor, prompts: list[list[int]], *, generation_config,
                        logits_processor, stopping_criteria, streamer, generator, tokenizer, kwargs):

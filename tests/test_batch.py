@@ -29,12 +29,13 @@ from transformers import LogitsProcessorList, NoRepeatNGramLogitsProcessor
 
 import selfspec
 from selfspec.batch import BATCH_MARGIN
+from selfspec.batch_draft import DraftRound
 from selfspec.costs import PassCosts, RuntimeCosts
 from selfspec.testing import TINY_CONFIGS, random_prompt, tiny_model
 
 ARCHS = sorted(TINY_CONFIGS)
 NGRAM = selfspec.DraftPlan(ngram=2, draft_length=4, policy="fixed")  # n-gram drafts only (no layers)
-NGRAM_LAYERS = selfspec.DraftPlan(ngram=3, layers=(0,), draft_length=5)  # a batch drafts its n-grams only
+NGRAM_LAYERS = selfspec.DraftPlan(ngram=3, layers=(0,), draft_length=5)  # n-grams first, then layer 0
 
 
 def repetitive(length: int, seed: int) -> list[int]:
@@ -195,6 +196,18 @@ def test_measured_batch_costs(tmp_path, monkeypatch):
     assert table.long_context == 1024 and len(table.verify_long) == table.max_width  # and at a long context
 
 
+def cut(session, costs: RuntimeCosts, proposals: list[tuple[list[int], int]]) -> tuple[int, float]:
+    """The session's common cut of these n-gram proposals (tokens, match length), at `costs.context`."""
+    n = len(proposals)
+    batch = DraftRound([None] * n, [costs.context or 0] * n, [8] * n, session.acceptance, lambda: costs,
+                       scale=session.calibration.ratio)
+    for draft, (tokens, match) in zip(batch.drafts, proposals):
+        if tokens:
+            draft.source, draft.tokens = "ngram", tokens
+            draft.odds = [session.acceptance.ngram_token(match, j + 1) for j in range(len(tokens))]
+    return batch.length()
+
+
 def test_a_batch_drafts_only_past_the_margin_and_prices_the_longest_rows_context():
     session = selfspec.wrap(tiny_model("llama", torch.float32), plan=NGRAM_LAYERS).batch_session()
     prior = NGRAM_LAYERS.target_acceptance  # 0.8: what an unseen match length is predicted at
@@ -202,19 +215,19 @@ def test_a_batch_drafts_only_past_the_margin_and_prices_the_longest_rows_context
     one = [([7], 3)] + [([], 0)] * 9  # 10 rows, one with a one-token proposal: +8% tokens per pass
     two = [([7], 3)] * 2 + [([], 0)] * 8  # +16%
     assert prior / 10 < BATCH_MARGIN < 2 * prior / 10
-    assert session._draft_length(free, one)[0] == 0 and session._draft_length(free, two) == (1, 2 * prior)
+    assert cut(session, free, one)[0] == 0 and cut(session, free, two) == (1, 2 * prior)
     # Wider passes nearly free at 48 entries, three times a plain step at 1,024 and beyond.
     table = PassCosts((1.0,) + (1.05,) * 5, 0.0, 4, context=48, verify_long=(1.0,) + (3.0,) * 5, long_context=1024)
     costs = RuntimeCosts(table, learn=False)
     rows = [([7, 8, 9], 3)] * 4
     costs.context = 60
-    assert session._draft_length(costs, rows)[0] == 3
+    assert cut(session, costs, rows)[0] == 3
     costs.context = 1500
-    assert session._draft_length(costs, rows)[0] == 0
+    assert cut(session, costs, rows)[0] == 0
     # Chosen drafts that brought half the tokens predicted: the same two proposals no longer pay.
     session.calibration.observe(predicted=40.0, realized=20.0)
     assert session.calibration.ratio == pytest.approx(24 / 44)
-    assert session._draft_length(free, two)[0] == 0
+    assert cut(session, free, two)[0] == 0
 
 
 def test_bad_batches_get_clear_errors():

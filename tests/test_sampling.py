@@ -24,8 +24,9 @@ What is tested
    whose layers are re-chosen every round, and recycled trees (grown from
    the target's probabilities recorded earlier in the same generation).
    An engine that always accepts the draft must fail the same check.
-   A batch of two rows of other lengths (n-gram drafts, `batch.py`): each row's
-   first four tokens follow its own exact law; always-accept fails it.
+   A batch of two rows of other lengths (`batch.py`; n-gram drafts, layer
+   drafts, a head with a draft vocabulary): each row's first four tokens
+   follow its own exact law; always-accept fails it.
 3. Seeded runs reproduce exactly (explicit generator; global seed).
 4. Plain sampling (draft_length=0) and drafted sampling both run.
 
@@ -43,13 +44,13 @@ c = ln(2 V / DELTA), so each check falsely fails with probability at most
 DELTA = 1e-7, whatever the number of cells. A cell with p_i = 0 that is ever
 observed gives KL = inf: an impossible token fails the check outright.
 
-This file runs CHECKS_IN_FILE = 144 such checks on samples whose law is the
+This file runs CHECKS_IN_FILE = 176 such checks on samples whose law is the
 reference law (test 1: 6 pairs for each of the two implementations of the
 rule, the host one and the device one of the static step, + 4 Markov-chain
 checks + 1 token-tree check + 7 checks that the wrong-rule harnesses produce
 the wrong rules' own exact laws; test 2: 13 cases x 8, three of them on the
-static step; + 16 checks of a batch's two rows), so over random seeds the whole
-file would falsely fail with probability at most 144 * 1e-7 = 1.4e-5. All seeds are fixed, so the outcome is
+static step; + 16 checks of a batch's two rows for each of 3 batch plans), so over
+random seeds the whole file would falsely fail with probability at most 176 * 1e-7 = 1.8e-5. All seeds are fixed, so the outcome is
 deterministic anyway.
 
 Power (a wrong sampler must fail): in test 1 a wrong rule is only run on
@@ -87,7 +88,7 @@ from selfspec.testing import make_head, make_vocab
 from selfspec.tree import TokenTree, accept_tree_sampling, accept_tree_sampling_on_device
 
 DELTA = 1e-7  # false-failure probability bound of one `assert_distribution` check
-CHECKS_IN_FILE = 144  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
+CHECKS_IN_FILE = 176  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -622,16 +623,33 @@ def batch_run_many(spec, n: int, seed: int, prompts: list[torch.Tensor], **sampl
     return counts, totals
 
 
-def test_batched_sampling_keeps_each_rows_law(model):
-    """Two rows of other lengths in one batch (n-gram drafts, flat profile): each row's first 4 tokens follow
-    its own exact law. 16 checks (8 per row) at DELTA = 1e-7, N = 1,000 batches."""
-    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.9)])
+BATCH_CASES = {
+    # name: (plan or a function of `artifacts`, cost profile, sampling kwargs, the same warpers)
+    "n-gram drafts per row, cost policy (flat profile), T=0.9": (
+        BATCH_PLAN, "flat", dict(temperature=0.9), LogitsProcessorList([TemperatureLogitsWarper(0.9)])),
+    "layers=[0,2] for every row, cost policy (flat profile), T=0.9": (
+        selfspec.DraftPlan(layers=[0, 2], draft_length=3), "flat", dict(temperature=0.9),
+        LogitsProcessorList([TemperatureLogitsWarper(0.9)])),
+    "head + draft vocabulary 6/16 for every row, k=3, T=0.8, top_p=0.9": (
+        lambda a: selfspec.DraftPlan(policy="fixed", exit_layer=2, head=a["head"], draft_vocab=a["vocab"],
+                                     draft_vocab_size=6, draft_length=3),
+        None, dict(temperature=0.8, top_p=0.9),
+        LogitsProcessorList([TemperatureLogitsWarper(0.8), TopPLogitsWarper(0.9)])),
+}
+
+
+@pytest.mark.parametrize("case", list(BATCH_CASES))
+def test_batched_sampling_keeps_each_rows_law(model, artifacts, case):
+    """Two rows of other lengths in one batch: each row's first 4 tokens follow its own exact law. 16 checks
+    (8 per row) at DELTA = 1e-7, N = 1,000 batches."""
+    plan, costs, sampling, warpers = BATCH_CASES[case]
+    plan = plan(artifacts) if callable(plan) else plan
     prompts = [TREE_PROMPT, PROMPT]
-    spec = selfspec.wrap(model, plan=BATCH_PLAN, costs="flat")
-    counts, totals = batch_run_many(spec, N_E2E, seed=17, prompts=prompts, temperature=0.9)
+    spec = selfspec.wrap(model, plan=plan, costs=costs)
+    counts, totals = batch_run_many(spec, N_E2E, seed=17, prompts=prompts, **sampling)
     assert totals["drafted"] > 0 and 0 < totals["accepted"] < totals["drafted"] and totals["recovered"] > 0, totals
     for row, (prompt, row_counts) in enumerate(zip(prompts, counts)):
-        assert_joint_matches(row_counts, exact_joint(model, warpers, NEW, prompt), f"batch row {row}")
+        assert_joint_matches(row_counts, exact_joint(model, warpers, NEW, prompt), f"{case}: batch row {row}")
 
 
 def test_batched_check_has_power(model, monkeypatch):

@@ -1,0 +1,208 @@
+"""What each row of a batch drafts in a round, and how far the batch verifies.
+
+A draft source (`DraftSource`) proposes tokens for the rows it serves and
+learns from what the verify pass kept. `NgramRows`: each row's prompt lookup
+over its own tokens, free. `LayerRows`: the plan's layers (an exit head, a
+draft vocabulary) for every row at once, one `[rows, 1]` draft pass per
+drafted token. A row takes its n-gram proposal when it has one, else the
+layers'.
+
+The batch verifies one width for every row. `DraftRound.length` picks the
+common cut k that maximises the batch's expected emitted tokens per second:
+each row's chance of reaching its j-th token (learned acceptance, a layer
+token's by its position and confidence), over the draft time spent and to
+come plus a verify pass over (rows, k + 1). Layers draft one step at a time
+while some longer cut beats stopping. Every choice uses what is known before
+the verify pass, so sampling keeps its distribution.
+
+This module does not verify, accept or emit (`batch.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from .draft import Draft
+from .head import ExitHead
+from .ngram import NgramIndex, agreement
+from .costs import RuntimeCosts
+from .policy import AcceptanceEstimates
+from .vocab import DraftVocab
+
+if TYPE_CHECKING:
+    from .batch import BatchRow
+    from .batch_runner import BatchRunner
+
+# Drafting at all must beat not drafting by this fraction of predicted tokens per second. A wrong guess widens
+# every row's pass, and the acceptance estimates run optimistic early (they start at the plan's prior): a
+# margin below that error turns speculation into a loss against drafting off.
+BATCH_MARGIN = 0.10
+
+
+@dataclass
+class RowDraft:
+    """One row's proposal this round."""
+
+    source: str = ""  # "ngram", "layers", or "" (nothing proposed)
+    tokens: list[int] = field(default_factory=list)
+    odds: list[float] = field(default_factory=list)  # per token: its chance of acceptance, those before accepted
+    probs: list[torch.Tensor] = field(default_factory=list)  # q `[vocab]` per layer token (sampling)
+    confidences: list[float] = field(default_factory=list)  # per layer token: the draft's top probability
+    match_length: int = 0  # an n-gram proposal's match length (`ngram.matched_length`)
+    proposal: list[int] = field(default_factory=list)  # an n-gram proposal uncut (its tokens no pass saw are judged)
+
+    def q(self, k: int, vocab_size: int, device) -> torch.Tensor:
+        """q `[k, vocab]` of the first k tokens: the draft's distributions, or one-hot for a copy."""
+        if self.probs:
+            return torch.stack(self.probs[:k])
+        q = torch.zeros(k, vocab_size, device=device)
+        if k:
+            q[torch.arange(k), torch.tensor(self.tokens[:k])] = 1.0
+        return q
+
+
+@dataclass
+class DraftRound:
+    """A round's draft state over the batch's rows (in cache order)."""
+
+    rows: list["BatchRow"]
+    starts: list[int]  # each row's position of its last token (not in the cache yet)
+    budgets: list[int]  # tokens each row may still draft
+    acceptance: AcceptanceEstimates
+    costs_for: Callable[[], RuntimeCosts]  # what passes over these rows cost (measured on first use)
+    scale: float = 1.0  # the share of predicted extra tokens the chosen drafts brought (`policy.Calibration`)
+    fixed: bool = False  # the plan's `policy="fixed"`: layers draft their full length
+    drafts: list[RowDraft] = field(default_factory=list)
+    layer_steps: int = 0  # layer draft passes run this round
+    costs: RuntimeCosts | None = None  # fetched by the first decision that needs them
+
+    def __post_init__(self) -> None:
+        self.drafts = [RowDraft() for _ in self.rows]
+
+    def priced(self) -> RuntimeCosts:
+        if self.costs is None:
+            self.costs = self.costs_for()
+            self.costs.context = max(self.starts)  # every row attends over the longest row's span
+        return self.costs
+
+    def length(self, futures: list[list[float]] | None = None) -> tuple[int, float]:
+        """The common cut k that maximises expected emitted tokens per second, and the extra tokens it predicts.
+
+        Row i's odds are its draft's, then `futures[i]` (layer tokens not drafted
+        yet, each costing one more draft step). Drafting at all must beat a
+        plain pass by `BATCH_MARGIN`; ties go to the shorter cut.
+        """
+        futures = futures or [[] for _ in self.rows]
+        odds = [d.odds + f for d, f in zip(self.drafts, futures)]
+        longest = max(map(len, odds), default=0)
+        costs = self.priced()
+        step = costs.draft() if self.layer_steps or any(futures) else 0.0  # one layer draft step over the rows
+        spent = self.layer_steps * step
+        rows, reach, extra = len(odds), [1.0] * len(odds), 0.0
+        best_k, best_extra, best_rate = 0, 0.0, rows / (spent + costs.verify(1)) * (1 + BATCH_MARGIN)
+        for k in range(1, longest + 1):
+            for i, row_odds in enumerate(odds):
+                if k <= len(row_odds):
+                    reach[i] *= row_odds[k - 1]
+                    extra += reach[i]
+            seconds = spent + max(0, k - self.layer_steps) * step + costs.verify(k + 1)
+            rate = (rows + self.scale * extra) / seconds
+            if rate > best_rate * (1 + 1e-9):
+                best_k, best_extra, best_rate = k, extra, rate
+        return best_k, best_extra
+
+
+class DraftSource(Protocol):
+    """A way to propose tokens for a batch's rows: every source serves one row as well as many."""
+
+    def propose(self, batch: DraftRound) -> None:
+        """Fill `batch.drafts[i]` for the rows this source serves (those with nothing proposed yet)."""
+
+    def learn(self, batch: DraftRound, i: int, verified: int, kept: list[int]) -> None:
+        """Row i's pass verified its first `verified` tokens and kept `kept` (accepted ones, then the target's)."""
+
+
+class NgramRows:
+    """Each row's prompt lookup (`ngram.NgramIndex`) over its own tokens: copies cost no pass."""
+
+    def __init__(self, max_ngram: int) -> None:
+        self.max_ngram = max_ngram
+
+    def index(self) -> NgramIndex:
+        return NgramIndex(self.max_ngram)
+
+    def propose(self, batch: DraftRound) -> None:
+        for row, budget, draft in zip(batch.rows, batch.budgets, batch.drafts):
+            if budget < 1 or draft.source:
+                continue
+            tokens, match = row.ngrams.match(row.out.tokens, budget=budget)
+            if tokens:
+                draft.source, draft.tokens, draft.match_length, draft.proposal = "ngram", list(tokens), match, list(tokens)
+                draft.odds = [batch.acceptance.ngram_token(match, j + 1) for j in range(len(tokens))]
+
+    def learn(self, batch: DraftRound, i: int, verified: int, kept: list[int]) -> None:
+        draft = batch.drafts[i]
+        if draft.source == "ngram":  # the verified tokens as judged, and the first uncut one by the pass's own token
+            batch.acceptance.observe_copied(draft.match_length, 1, agreement(draft.proposal, kept))
+
+
+class LayerRows:
+    """The plan's draft layers (an exit head as layer N; a draft vocabulary) for every row, one pass a token."""
+
+    def __init__(self, layers: tuple[int, ...], *, head: ExitHead | None = None, vocab: DraftVocab | None = None,
+                 threshold: float | None = None) -> None:
+        self.layers = layers
+        self.head = head
+        self.vocab = vocab
+        self.threshold = threshold  # a fixed plan's `adaptive` confidence threshold (None: draft the full length)
+        self.runner: BatchRunner | None = None  # the session's, set before each round
+
+    def propose(self, batch: DraftRound) -> None:
+        serve = [i for i, (d, b) in enumerate(zip(batch.drafts, batch.budgets)) if not d.source and b >= 1]
+        if not serve:
+            return
+        rows = batch.rows
+        inputs = [row.out.tokens[-1] for row in rows]
+        device = self.runner.positions.device
+        longest = max(batch.budgets[i] for i in serve)
+        for i in serve:
+            batch.drafts[i].source = "layers"
+        while batch.layer_steps < longest and self.go_on(batch, serve):
+            j = batch.layer_steps
+            logits = self.runner.draft_rows(torch.tensor(inputs, device=device)[:, None],
+                                            [s + j for s in batch.starts], slice(0, len(rows)), self.layers,
+                                            self.vocab)  # [rows, vocab]
+            batch.layer_steps += 1
+            for i in serve:
+                if j >= batch.budgets[i]:
+                    continue
+                row, draft = rows[i], batch.drafts[i]
+                scores = row.scorer.scores(logits[i : i + 1], row.out.tokens + draft.tokens, len(row.out.tokens) + j)
+                token, confidence, q = row.scorer.draft_choice(scores, with_confidence=True)
+                draft.tokens.append(token)
+                draft.confidences.append(confidence)
+                draft.odds.append(batch.acceptance.layer_token(j + 1, confidence))
+                if q is not None:
+                    draft.probs.append(q)
+                inputs[i] = token
+
+    def go_on(self, batch: DraftRound, serve: list[int]) -> bool:
+        """Whether to draft one more token for the rows served: a fixed plan while some row's confidence holds,
+        else while some longer cut beats stopping now."""
+        j = batch.layer_steps
+        if batch.fixed:
+            return not j or self.threshold is None or any(
+                batch.drafts[i].confidences and batch.drafts[i].confidences[-1] >= self.threshold for i in serve)
+        futures = [[batch.acceptance.layer_position(j + m + 1) for m in range(batch.budgets[i] - j)]
+                   if i in serve else [] for i in range(len(batch.rows))]
+        return batch.length(futures)[0] > j
+
+    def learn(self, batch: DraftRound, i: int, verified: int, kept: list[int]) -> None:
+        draft = batch.drafts[i]
+        if draft.source == "layers" and verified:
+            shown = Draft(draft.tokens[:verified], None, [], confidences=draft.confidences[:verified])
+            batch.acceptance.observe(shown, len(kept) - 1)
