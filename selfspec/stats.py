@@ -69,6 +69,12 @@ class GenerationStats:
     def layer_accepted(self) -> int:
         return self.accepted - self.ngram_accepted - self.recycled_accepted
 
+    def by_source(self) -> dict[str, tuple[int, int]]:
+        """(drafted, accepted) tokens per draft source: "layers" (layers and exit heads), "ngram", "recycled"."""
+        return {"layers": (self.layer_drafted, self.layer_accepted),
+                "ngram": (self.ngram_drafted, self.ngram_accepted),
+                "recycled": (self.recycled_drafted, self.recycled_accepted)}
+
     @property
     def tokens_per_pass(self) -> float:
         """Emitted tokens per full forward pass (tau); 1.00 for plain decoding."""

@@ -373,6 +373,31 @@ def test_batched_rounds_serve_several_requests_at_once(batched, tiny):
     assert batched.scheduler.running == [] and batched.metric("selfspec_kv_cache_bytes") == 0  # rows freed
 
 
+def test_a_batch_of_eight_drafts_with_the_plans_layers(tiny):
+    """`--max-batch 8` with a layer plan: concurrent requests share rounds, draft through the layers, and each
+    answers `model.generate`'s text; /metrics counts the layer tokens."""
+    contents = ["w10 w11 w12", "w13", "w14 w15 w14 w15", "w16 w17"]
+    results: dict = {}
+    with serving(*tiny, plan=PLAN, max_queue=64, max_batch=8) as handle:
+        handle.gate.clear()  # hold the first request so the others queue behind it and join its rounds
+        threads = [threading.Thread(target=lambda c=c: results.setdefault(c, chat(handle, c))) for c in contents]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: len(handle.scheduler.running) + handle.scheduler.queue_depth == len(contents),
+                   "every request to arrive")
+        handle.gate.set()
+        for thread in threads:
+            thread.join(timeout=60)
+        layers = handle.metric('selfspec_source_drafted_tokens_total{source="layers"}')
+        accepted = handle.metric('selfspec_source_accepted_tokens_total{source="layers"}')
+        rows = handle.metric("selfspec_batch_rows_total") / handle.metric("selfspec_batch_rounds_total")
+    for content in contents:
+        assert results[content].choices[0].message.content == reference(tiny, chat_ids(tiny[1], content))
+        assert results[content].model_extra["selfspec"]["drafted"] > 0
+    assert layers > 0 and 0 <= accepted <= layers
+    assert rows > 1.5, rows  # the requests shared rounds
+
+
 def test_batched_seeded_sampling_reproduces_alone(batched):
     first = chat(batched, "w5 w6", temperature=1.0, seed=7).choices[0].message.content
     assert chat(batched, "w5 w6", temperature=1.0, seed=7).choices[0].message.content == first

@@ -72,6 +72,7 @@ class Result:
     tokens_per_pass: float
     verify_passes: int
     cancelled: bool = False
+    by_source: dict[str, tuple[int, int]] = field(default_factory=dict)  # (drafted, accepted) per draft source
 
 
 @dataclass
@@ -261,4 +262,5 @@ class Engine:
         job.finished_at = time.perf_counter()
         return Result(text=text, finish_reason=reason, prompt_tokens=len(job.prompt), completion_tokens=len(new),
                       drafted=stats.drafted, accepted=stats.accepted, tokens_per_pass=stats.tokens_per_pass,
-                      verify_passes=stats.verify_passes, cancelled=job.cancelled.is_set())
+                      verify_passes=stats.verify_passes, cancelled=job.cancelled.is_set(),
+                      by_source=stats.by_source())

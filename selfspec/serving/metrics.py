@@ -6,6 +6,8 @@
     selfspec_generated_tokens_total               tokens generated
     selfspec_drafted_tokens_total                 tokens drafted (`last_stats.drafted`)
     selfspec_accepted_tokens_total                drafted tokens the target accepted (`last_stats.accepted`)
+    selfspec_source_drafted_tokens_total{source}  drafted tokens by source: layers (and heads), ngram, recycled
+    selfspec_source_accepted_tokens_total{source} accepted tokens by source
     selfspec_verify_passes_total                  full forward passes (tokens per pass = generated / passes)
     selfspec_queue_depth                          requests waiting for the worker
     selfspec_batch_size                           requests in the batch the worker is running (0 or 1 today)
@@ -37,6 +39,10 @@ class Metrics:
         self.drafted_tokens = Counter("selfspec_drafted_tokens", "Tokens drafted", registry=registry)
         self.accepted_tokens = Counter("selfspec_accepted_tokens", "Drafted tokens the target accepted",
                                        registry=registry)
+        self.source_drafted = Counter("selfspec_source_drafted_tokens", "Tokens drafted, by draft source",
+                                      ["source"], registry=registry)
+        self.source_accepted = Counter("selfspec_source_accepted_tokens", "Drafted tokens accepted, by draft source",
+                                       ["source"], registry=registry)
         self.verify_passes = Counter("selfspec_verify_passes", "Full forward passes", registry=registry)
         self.queue_depth = Gauge("selfspec_queue_depth", "Requests waiting for the worker", registry=registry)
         self.batch_size = Gauge("selfspec_batch_size", "Requests in the batch being run", registry=registry)
@@ -55,6 +61,9 @@ class Metrics:
         for outcome in ("completed", "cancelled", "failed"):  # present from the start, at 0
             self.requests.labels(outcome)
         self.rejected.labels("queue_full")
+        for source in ("layers", "ngram", "recycled"):
+            self.source_drafted.labels(source)
+            self.source_accepted.labels(source)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -215,6 +215,9 @@ class Scheduler:
         metrics.generated_tokens.inc(result.completion_tokens)
         metrics.drafted_tokens.inc(result.drafted)
         metrics.accepted_tokens.inc(result.accepted)
+        for source, (drafted, accepted) in result.by_source.items():
+            metrics.source_drafted.labels(source).inc(drafted)
+            metrics.source_accepted.labels(source).inc(accepted)
         metrics.verify_passes.inc(result.verify_passes)
         if job.first_token_at is not None:
             metrics.time_to_first_token.observe(job.first_token_at - job.arrived)
