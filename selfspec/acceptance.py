@@ -13,10 +13,10 @@ distribution, `q` the draft's. (Published code uses the letters both ways.)
   drafted token is accepted, sample a bonus token from p. The emitted tokens
   are distributed exactly as if sampled from p one at a time.
 
-`accept_greedy_on_device` and `accept_sampling_on_device` apply the same rules
-without reading anything back to the host (the static step syncs once per
-round, after them); they return the accepted count (0-d) and the next token
-`[1]` as device tensors.
+Each rule is written once, on the device (`accept_greedy_on_device`,
+`accept_sampling_on_device`: the accepted count 0-d and the next token `[1]`,
+read nothing back, so the static step syncs once per round after them);
+`accept_greedy` and `accept_sampling` are the same rules read back.
 
 All functions take scores that have already been through the caller's logits
 processors; this module does not know about processors, caches or layers.
@@ -38,36 +38,26 @@ class Verdict:
 
 
 def accept_greedy(draft_tokens: list[int], target_scores: torch.Tensor) -> Verdict:
-    """`target_scores` `[k+1, vocab]`: row i scores the token after draft position i."""
-    choices = target_scores.argmax(dim=-1).tolist()
-    accepted = 0
-    while accepted < len(draft_tokens) and draft_tokens[accepted] == choices[accepted]:
-        accepted += 1
-    return Verdict(accepted, choices[accepted])
+    """`target_scores` `[k+1, vocab]`: row i scores the token after draft position i (`accept_greedy_on_device`)."""
+    draft = torch.tensor(draft_tokens, dtype=torch.long, device=target_scores.device)  # [k]
+    return read_verdict(*accept_greedy_on_device(draft, target_scores))
 
 
 def accept_sampling(
     draft_tokens: list[int],
-    draft_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
     generator: torch.Generator | None = None,
 ) -> Verdict:
-    """`draft_probs` q `[k, vocab]`, `target_probs` p `[k+1, vocab]` (rows sum to 1)."""
-    k = len(draft_tokens)
-    if k:
-        index = torch.arange(k, device=target_probs.device)
-        tokens = torch.tensor(draft_tokens, device=target_probs.device)
-        p_x = target_probs[index, tokens]  # [k]
-        q_x = draft_probs[index, tokens]  # [k]
-        u = torch.rand(k, generator=generator, device=target_probs.device)
-        rejected = (u * q_x > p_x).nonzero()  # accept iff u < p/q
-        if len(rejected):
-            i = int(rejected[0, 0])
-            residual = (target_probs[i] - draft_probs[i]).clamp_min(0)  # [vocab]
-            if residual.sum() <= 0:  # p == q up to rounding: the residual is p itself
-                residual = target_probs[i]
-            return Verdict(i, sample(residual, generator))
-    return Verdict(k, sample(target_probs[k], generator))
+    """`draft_probs` q `[k, vocab]`, `target_probs` p `[k+1, vocab]` (rows sum to 1) (`accept_sampling_on_device`)."""
+    draft = torch.tensor(draft_tokens, dtype=torch.long, device=target_probs.device)  # [k]
+    return read_verdict(*accept_sampling_on_device(draft, draft_probs, target_probs, generator))
+
+
+def read_verdict(accepted: torch.Tensor, next_token: torch.Tensor) -> Verdict:
+    """A device rule's (accepted 0-d, next token `[1]`) read back in one transfer."""
+    accepted, token = torch.cat([accepted.view(1), next_token.view(1)]).tolist()
+    return Verdict(accepted, token)
 
 
 def sample(weights: torch.Tensor, generator: torch.Generator | None = None) -> int:

@@ -125,20 +125,9 @@ class TokenTree:
 def accept_tree_greedy(tree: TokenTree, target_scores: torch.Tensor) -> tuple[list[int], int]:
     """The longest path the target agrees with (node indices) and the target's next token after it.
 
-    `target_scores` `[n+1, vocab]`: row r scores the token after row r.
+    `target_scores` `[n+1, vocab]`: row r scores the token after row r (`accept_tree_greedy_on_device`, read back).
     """
-    choices = target_scores.argmax(dim=-1).tolist()
-    children: dict[int, dict[int, int]] = {}
-    for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
-        children.setdefault(parent, {}).setdefault(token, i)
-    path: list[int] = []
-    node = -1
-    while True:
-        child = children.get(node, {}).get(choices[node + 1])
-        if child is None:
-            return path, choices[node + 1]
-        path.append(child)
-        node = child
+    return read_path(*accept_tree_greedy_on_device(tree, target_scores))
 
 
 def accept_tree_sampling(
@@ -148,8 +137,12 @@ def accept_tree_sampling(
 
     `target_probs` p `[n+1, vocab]`: row r is the target's distribution after row r.
     """
-    kept, next_token = accept_tree_sampling_on_device(tree, target_probs, generator)
-    values = torch.cat([kept.long(), next_token]).tolist()
+    return read_path(*accept_tree_sampling_on_device(tree, target_probs, generator))
+
+
+def read_path(kept: torch.Tensor, next_token: torch.Tensor) -> tuple[list[int], int]:
+    """A device rule's (kept `[n]` bool, next token `[1]`) read back: the kept path's nodes, the next token."""
+    values = torch.cat([kept.long(), next_token.view(1)]).tolist()
     return [node for node, keep in enumerate(values[:-1]) if keep], values[-1]
 
 
