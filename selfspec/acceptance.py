@@ -1,25 +1,23 @@
 """The acceptance rule: which drafted tokens the target keeps, losslessly.
 
-Notation, used this way everywhere in selfspec: `p` is the target's
-distribution, `q` the draft's. (Published code uses the letters both ways.)
+`p` is the target's distribution and `q` the draft's, everywhere in selfspec
+(published code uses the letters both ways).
 
-- Greedy: keep the longest prefix of the draft that equals the target's own
-  argmax choices, then add the target's choice at the first mismatch (a
-  *recovered* token) or after the last drafted token (a *bonus* token). The
-  result is token-identical to greedy decoding with the target alone.
-- Sampling (Leviathan et al. 2023; Chen et al. 2023): accept drafted token x
-  with probability min(1, p(x) / q(x)); at the first rejection sample the
-  recovered token from the normalised residual max(0, p - q); when every
-  drafted token is accepted, sample a bonus token from p. The emitted tokens
-  are distributed exactly as if sampled from p one at a time.
+- Greedy: keep the longest drafted prefix equal to the target's argmax
+  choices, then the target's own choice (a *recovered* token at the first
+  mismatch, else a *bonus* token): identical to greedy decoding.
+- Sampling (Leviathan et al. 2023; Chen et al. 2023): accept x with
+  probability min(1, p(x) / q(x)); at the first rejection sample from the
+  normalised residual max(0, p - q); when all are accepted, sample a bonus
+  token from p. The tokens are distributed exactly as p's samples.
 
 Each rule is written once, on the device (`accept_greedy_on_device`,
 `accept_sampling_on_device`: the accepted count 0-d and the next token `[1]`,
 read nothing back, so the static step syncs once per round after them);
 `accept_greedy` and `accept_sampling` are the same rules read back.
 
-All functions take scores that have already been through the caller's logits
-processors; this module does not know about processors, caches or layers.
+Scores arrive already processed; this module does not know logits
+processors, caches or layers.
 """
 
 from __future__ import annotations

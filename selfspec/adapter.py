@@ -1,29 +1,18 @@
 """One architecture family's adapter: where a model's parts live and how a layer is called.
 
-An adapter is a small declarative TOML file in `adapters/` (shipped inside the
-wheel as `selfspec/adapters/`; `adapters/README.md` documents every key). This
-module reads one such file into an `Adapter` and binds it to a model as
-`ModelParts` (`parts.py`): the modules found by attribute path, plus what the
-adapter says to read from the config (per-layer sliding windows and layer
-types, the final-logit soft cap) and the layer calling convention. Which
-adapter fits a model is the registry's decision (`registry.py`).
+An adapter is a small declarative TOML file in `adapters/` (shipped in the
+wheel as `selfspec/adapters/`; `adapters/README.md` documents every key).
+This module reads one into an `Adapter` and binds it to a model as
+`ModelParts` (`parts.py`): the modules found by attribute path, what to read
+from the config (sliding windows, layer types, the final-logit soft cap) and
+the layer calling convention. Family quirks are named options of the
+adapter, each handled by one mechanism in `runner.py` or `layer_call.py`,
+never by a family name in the decode loop; a config the adapter was not
+written for (`requires`) is refused with a clear error.
 
-Family quirks are named options of the adapter, each handled by one mechanism
-in `runner.py` or `layer_call.py`, never by a family name in the decode loop:
-
-- `modules.position_embed`: learned absolute positions added to the token
-  embeddings (GPT-2);
-- `call.layer_call`: the calling convention of a layer (`layer_call.py`);
-- `call.rotary_per_layer_type`: one rotary table per layer type (Gemma 3's
-  local and global RoPE);
-- `attention.sliding_window` / `attention.layer_types`: the config attributes
-  that give the window length and which layers use it;
-- `logits.softcap`: the config attribute holding the final-logit soft cap;
-- `requires`: config values the adapter was written for (anything else is
-  refused with a clear error rather than run wrongly).
-
-This module does not know how to run a layer (see `layer_call.py`) nor what a
-plan means (see `plan.py`). It never modifies the model.
+Which adapter fits a model is the registry's decision (`registry.py`). This
+module does not know how to run a layer or what a plan means, and never
+modifies the model.
 """
 
 from __future__ import annotations

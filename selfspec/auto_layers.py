@@ -1,45 +1,20 @@
 """`plan="auto"`: the draft's layers, chosen per context while generating, with no offline search.
 
-Two signals, both already at hand:
+Two signals. The target's own passes (the prefill, then every `PROBE_EVERY`-th
+verify pass while some layer set would draft) report per layer 1 - cos(input,
+output) as a moving average (`LayerInfluence`, ShortGPT's block influence); a
+budget of L layers drafts with the L that turn the state most, the first and
+the last always among them. The cost policy keeps acceptance estimates per
+budget (about 1/2, 2/3, 5/6 of the layers and all but one) and every
+`CHOOSE_EVERY` rounds drafts with the budget it predicts fastest; untried
+budgets go first, the largest first. docs/how-it-works.md has the whole
+mechanism.
 
-- **How much each layer changes the tokens the target verifies.** The target's
-  own passes (the prefill, then every `PROBE_EVERY`-th verify pass while
-  some layer set would draft) report,
-  per layer, 1 - cos(input, output) over their rows (`LayerInfluence`, a
-  moving average; ShortGPT calls it block influence). A layer that barely
-  turns the hidden state is the cheapest to leave out. For a budget of L
-  layers the draft runs the L that change it most, always with the first and
-  the last, in model order.
-- **What each budget earns.** A few budgets are candidates (about 1/2, 2/3,
-  5/6 of the layers and all but one). The cost policy keeps acceptance
-  estimates per budget and predicts each budget's tokens per second from
-  them and from its cost (a drafted token costs the table's draft step
-  scaled by the weights the set reads: its layers plus the LM head). Every
-  `CHOOSE_EVERY` rounds the budget with the best prediction drafts, except
-  that an untried budget that would pay at its prior goes first, the
-  largest such first. An untried budget's prior is the plan's capped by what
-  the larger budgets showed (fewer layers are accepted no more often), so
-  where the near-full draft is rejected the cheap ones are not tried at an
-  optimistic guess. Estimates fade, so a budget written off is tried again
-  later. Estimates
-  follow the budget, not the exact set: as the ranking moves, a budget's set
-  may trade a layer, and it keeps what the budget learned instead of being
-  tried afresh at the optimistic prior. When no set beats plain steps the
-  cost policy drafts nothing from the layers, verify passes stop reporting
-  layer changes and the choice runs every `CHOOSE_EVERY_IDLE` rounds, until
-  it finds a set that would draft again; the ranking then starts from what
-  was reported before.
+Changing the set between rounds is free: every verify pass writes every
+layer's entries. The choice uses only the past, so output stays the target's.
 
-Changing the set between rounds is free: a verify pass writes every layer's
-entries, so at the top of a round every layer holds the target's entries for
-every verified token, whichever layers the next draft runs. The choice uses
-only past tokens and the target's past computation (and, when sampling, the
-fixed cost table rather than timings), so output stays exactly the target's.
-
-On CUDA graphs the verify passes replay captured graphs; only the prefill
-reports layer changes there (the budget choice still runs every few rounds).
-
-This module chooses layers; it does not run them (`runner.py`), verify or accept.
+This module chooses layers; it does not run them (`runner.py`), verify or
+accept.
 """
 
 from __future__ import annotations

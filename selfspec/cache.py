@@ -1,25 +1,18 @@
 """The one KV cache: the target's, position-indexed, shared by draft and verify.
 
-Each layer owns a buffer `[batch, kv_heads, capacity, head_dim]` allocated on
-its first write, and a length: the number of positions that hold valid
-entries. A write of q new positions goes to `[length, length + q)` and the
-layer attends to the view `[0, length + q)`. Layers have separate lengths
-because the draft writes only the layers it runs.
+Each layer owns a buffer `[batch, kv_heads, capacity, head_dim]`, allocated on
+its first write, and a length: the positions that hold valid entries. A write
+of q positions goes to `[length, length + q)` and the layer attends to `[0,
+length + q)`; the draft writes only the layers it runs. Rollback is
+`crop(length)`: it moves the pointer and copies nothing, O(1).
 
-A layer with a sliding window returns only the entries some query of the
-pass can see (from `first_query - window + 1` on, `visible_from`), as
-transformers' own sliding cache layers do: a decode step on such a layer
-then attends to `window` entries, not to the whole context. The runner sets
-`first_query`, the position of the pass's first query, and slices its masks
-alike. Nothing is dropped: the entries stay in the buffer.
+A layer with a sliding window returns only the entries some query of the pass
+can see (`visible_from`, from the runner's `first_query`), as transformers'
+sliding cache layers do; nothing is dropped from the buffer.
 
-Rollback is `crop(length)`: it moves the length pointer and copies nothing, so
-rejecting drafted tokens costs O(1). Stale entries past the length are simply
-overwritten by the next write.
-
-The transformers attention modules call `update(key, value, layer_idx)`; that
-is the whole interface they need. This module does not know which layers a
-plan runs or which entries are exact: the decode loop decides what to crop.
+Attention modules call `update(key, value, layer_idx)`. This module does not
+know which layers a plan runs or which entries are exact: the decode loop
+decides what to crop.
 """
 
 from __future__ import annotations

@@ -1,21 +1,19 @@
 """The generic decoder adapter, for models whose `model_type` has no adapter file.
 
-Many fine-tunes reuse a known layout under a new `model_type`. When a model has
-the common decoder layout (`model.embed_tokens`, a `model.layers` list, `model.norm`,
-`lm_head`, optionally `model.rotary_emb`) and no sliding-window attention, selfspec
-may run it with `GENERIC`, but never on a guess: `generic_problem` first
-runs a self-check, one prefill plus one draft-and-verify round through the
-engine's runner on the shared cache, and compares the logits with one plain
-forward pass of the model. Only when they agree (to a tolerance set by the
-dtype) may the registry (`registry.py`) use the generic adapter, with a
+Many fine-tunes reuse a known layout under a new `model_type`. A model with
+the common decoder layout (`model.embed_tokens`, a `model.layers` list,
+`model.norm`, `lm_head`, optionally `model.rotary_emb`) and no sliding-window
+attention may run with `GENERIC`, but never on a guess: `generic_problem`
+first runs a self-check (a prefill plus one draft-and-verify round on the
+shared cache, compared with one plain forward pass, to a tolerance set by the
+dtype). Only when they agree does the registry (`registry.py`) use it, with a
 `GenericAdapterWarning`; otherwise its error lists the supported model types
-and says how to add an adapter.
-
-`self_check` is also usable on any adapter (the tests run it on every family).
+and says how to add an adapter. `self_check` works on any adapter (the tests
+run it on every family).
 
 This module does not know family quirks: a model that needs one (soft-capping,
-scaled or learned position embeddings applied outside their modules, another
-layer call) fails the check and needs an adapter file.
+positions applied outside their modules, another layer call) fails the check
+and needs an adapter file.
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
 """A trained exit head: one decoder layer that turns the state after layer E into a draft.
 
-The draft of an early-exit plan runs layers 0..E-1, then the head, then the
-model's own final norm and LM head (shared and frozen). The head is a copy of
-one of the model's decoder layers (by default the last one), trained by
-`training/distill.py` to match the target's next-token distribution.
+An early-exit draft runs layers 0..E-1, then the head, then the model's own
+final norm and LM head (shared, frozen). The head is a copy of one of the
+model's decoder layers (by default the last), trained by `training/distill.py`
+to match the target's next-token distribution. It is layer N (the model's
+layer count) of the one shared cache, so its entries are cropped with the
+target's; the engine keeps them for every verified token
+(`TargetPasses.fill_head`).
 
-Its attention has a cache like any layer's: the head is layer N (N = the
-model's layer count) of the one shared cache, so its KV entries live beside
-the target's and are cropped with them. The engine keeps the invariant that
-the head holds entries for every verified token (see `TargetPasses.fill_head` in `passes.py`);
-nothing is kept beside the cache.
-
-Saved as an artifact (`artifacts.py`): the layer's weights in float32 and a
-manifest with the model identity, the exit layer, the layer it was copied
-from and its shape. Loading a head made for another model is refused.
-
-With a quantized target (`quant.py`) the head is built beside it in float,
-in the dtype of the model's activations: a dequantized copy of the source
-layer, which training and a saved head's float weights then fill. The target
-stays quantized; only the draft's one extra layer is float (its bytes are in
-`SelfSpecModel.memory()`).
+Saved as an artifact (`artifacts.py`): float32 weights and a manifest (model
+identity, exit layer, source layer, shape); a head made for another model is
+refused. Beside a quantized target the head is a float copy (`quant.py`).
 
 This module does not train the head and does not decide when it runs.
 """

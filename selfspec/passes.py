@@ -1,11 +1,11 @@
 """The target's full passes: the prefill, the verify pass, and filling an exit head's cache.
 
-A full pass runs every layer the target has, so what it writes to the cache is
-the target's own. The verify pass runs over the last emitted token and the
-round's draft in one call, reusing what the draft computed exactly: the
-entries of the plan's exact prefix (layers 0..s-1) and the hidden states after
-it, so it resumes at layer s. It returns logits and decides nothing;
-acceptance is `acceptance.py`, the roll back the decode loop's.
+A full pass runs every layer, so what it writes to the cache is the target's
+own. The verify pass runs over the last emitted token and the round's draft
+in one call, reusing what the draft computed exactly (the entries of the
+plan's exact prefix, layers 0..s-1, and the hidden states after it), so it
+resumes at layer s. It returns logits and decides nothing: acceptance is
+`acceptance.py`, the roll back the decode loop's.
 
 With a trained exit head (`head.py`, layer N of the cache) the head's entries
 must cover every verified token: the prefill and the verify pass keep the

@@ -1,21 +1,17 @@
-"""Quantized weights: quantize a loaded model, recognise quantized weights, and read them back as floats.
+"""Quantized weights: quantize a loaded model, recognise quantized weights, read them back as floats.
 
 A quantized model is the target as it is: the engine runs its layers through
 the modules themselves, so a weight-only quantized linear layer (torchao's
 tensor subclasses, bitsandbytes' `Linear8bitLt`/`Linear4bit`) runs in the
-draft and the verify pass exactly as in `model.generate`. Three places need
-the weights as floats, and read them here:
-
-- a draft vocabulary gathers K rows of the LM head (`dense_rows`);
-- an exit head is a float copy of a decoder layer, built beside the quantized
-  target (`dense_copy`): it is trained in float and is the draft, not the target;
-- an artifact's model identity reads a few embedding rows (`dense_rows`).
+draft and the verify pass exactly as in `model.generate`. Floats are read
+here for a draft vocabulary's K LM-head rows and an artifact's model identity
+(`dense_rows`), and for an exit head, a float copy of a decoder layer built
+beside the quantized target (`dense_copy`).
 
 `quantize_model` is what `selfspec.load(..., quantize=...)` applies after
-loading: torchao weight-only int8 or int4, the kernel layout picked for the
-device (int4 on CPU: torchao's CPU-packed `Int4OpaqueTensor`; on CUDA: the
-tinygemm tile layout, bfloat16 only). A tied LM head stays tied and in float
-(quantizing it alone would add a second copy of the embedding).
+loading: torchao weight-only int8 or int4 in the device's kernel layout (CPU:
+`Int4OpaqueTensor`; CUDA: the tinygemm layout, bfloat16 only). A tied LM head
+stays tied and in float (quantizing it alone would copy the embedding).
 
 This module does not know plans, caches or the decode loop.
 """

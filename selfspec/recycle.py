@@ -1,28 +1,17 @@
 """Recycled drafts: token trees grown from the target's own past predictions, with no model computation.
 
-Every pass the target runs scores each of its rows, the rows of drafted
-tokens it rejects included. `SuccessorTable` keeps, per row, the target's
-`TOP` likeliest next tokens and their probabilities, keyed by the row's token
-and the token before it (and by the row's token alone, the fallback when
-the pair was never seen). A later round grows a tree under the last emitted
-token from that table, best first by the product of the recorded
-probabilities along each path, and the target verifies it in one pass like
-any tree (`tree.py`). This is Token Recycling (Luo et al., 2024): a draft
-that reads a small table instead of running layers, so it costs what a
-wider verify pass costs and nothing else.
+Every pass scores each of its rows, rejected drafted tokens' rows too.
+`SuccessorTable` keeps, per row, the target's `TOP` likeliest next tokens and
+their probabilities, keyed by the row's token and the one before it (falling
+back to the token alone). A later round grows a tree under the last emitted
+token from that table, best first by the product of recorded probabilities
+along each path, and the target verifies it like any tree (`tree.py`): Token
+Recycling (Luo et al. 2024), drafted at no model cost.
 
-The recorded probabilities were the target's under another context, so they
-are not the chance that a path is accepted; the cost policy scales them by
-what recycled nodes at the same depth actually earned
-(`policy.DepthCalibration`) before it decides how many nodes are worth a
-wider pass, and its `RecycleLedger` pauses recycling, recording included,
-where what the nodes keep does not pay for them (`SuccessorTable.seconds`
-is the recording's share).
-
-Nothing recorded changes what is kept: the tree's tokens are fixed candidates,
-and the acceptance rules (greedy, or recursive rejection when sampling) keep
-exactly the target's tokens. The table holds ids and floats only (a few MiB
-at most): no weights and no cache entries.
+The recorded probabilities were the target's under other contexts; the cost
+policy calibrates them per depth (`policy.DepthCalibration`), and its
+`RecycleLedger` pauses recycling where it does not pay. The table holds ids
+and floats only.
 
 This module records and grows trees; it runs no layers and decides no lengths.
 """

@@ -1,33 +1,18 @@
 """Run any subset of the target's layers on a few tokens, over the shared cache.
 
 `LayerRunner` is the one place that calls the model's modules. It owns the
-generation's `SharedKVCache`, the tables of rotary position embeddings, and the
-attention masks. The draft and the verify pass both go through it: the draft
-with the plan's layers, the verify pass with the full stack (or the part of it
-after the plan's exact prefix).
+generation's `SharedKVCache`, the rotary tables and the attention masks; the
+draft runs the plan's layers through it, the verify pass the full stack (or
+what follows the plan's exact prefix). Per-family mechanisms, as the
+adapter's `ModelParts` says: rotary tables per model or per layer type
+(Gemma 3), learned absolute positions added at `start` (GPT-2), causal masks
+with per-layer sliding windows (bool for sdpa, additive for eager; a windowed
+layer sees only what `SharedKVCache.visible_from` shows), final-logit
+soft-capping (Gemma 2). An exit head is one more layer, index N.
 
-The per-family mechanisms it applies, each as the adapter's `ModelParts` says:
-
-- rotary tables: one for the model, or one per layer type (Gemma 3's local
-  and global RoPE), computed once for every position;
-- learned absolute positions (GPT-2): `embed` cannot know where its tokens
-  will sit, so it returns the token embeddings and `run` adds the position
-  embeddings when it first receives that tensor, at the `start` it is given;
-- masks: causal, with a per-layer sliding window (key visible iff
-  query - key < window, transformers' rule), bool for sdpa, additive for eager;
-  a windowed layer attends only to the entries its window can show this pass
-  (`SharedKVCache.visible_from`), and its mask covers those alone;
-- final-logit soft-capping (Gemma 2): cap * tanh(logits / cap).
-
-A trained exit head (`head.py`) is one more layer: index N (the model's layer
-count) in `layers` and in the cache, with the window and rotary kind of the
-layer it was copied from.
-
-It counts the weights its passes read (`weights_read`, bytes: a layer's
-each time a pass runs it, the LM head's, or a draft vocabulary's rows, each
-time logits are computed), so a generation can say what it read in plain
-steps. It knows positions, masks and the layer calling convention the parts
-name; it does not know plans, acceptance or sampling.
+It counts the weights its passes read (`weights_read`: each layer a pass
+runs, and the LM head or a draft vocabulary's rows when logits are computed).
+It does not know plans, acceptance or sampling.
 """
 
 from __future__ import annotations

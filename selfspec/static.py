@@ -1,29 +1,19 @@
 """The static step: fixed shapes over the one cache, and CUDA graphs where there is CUDA.
 
-`StaticRunner` runs the same layers on the same cache layout as `LayerRunner`
-(same `embed`, `run`, `logits`), with every shape fixed:
+`StaticRunner` is `LayerRunner` with every shape fixed. A pass over q <=
+`largest` tokens runs at its bucket, the smallest power of two >= q, with zero
+rows appended (their entries lie past the valid ones, unseen by real queries).
+`StaticKVCache` writes at positions held on the device. Attention covers the
+positions in use rounded up, under a mask built on the device: to a multiple
+of `SPAN_STEP` uncaptured, to a power of two from `CAPTURED_SPAN_MIN` when
+captured, so a few spans serve every length and a pass reads at most twice the
+entries in use.
 
-- widths: a pass over q <= `largest` tokens runs at the bucket width, the
-  smallest power of two >= q, with zero rows appended. The padded rows write
-  cache entries just past the valid ones; no real query sees them (they lie
-  after it, and the mask is causal) and the next pass overwrites them before
-  any query could. Wider passes (a prompt's prefill) run at their own width.
-- positions: the pass's start is added on the device to a fixed range, and
-  the cache (`StaticKVCache`) writes at those positions;
-- attention covers the positions in use rounded up, under a mask built on
-  the device from the positions: to a multiple of `SPAN_STEP` uncaptured (CPU
-  passes do not pay for empty positions), to a power of two from
-  `CAPTURED_SPAN_MIN` when captured (a graph's span is fixed at capture, so a
-  few spans serve every length; a pass never reads more than twice the
-  entries in use, however large the kept cache has grown).
+So `GraphedRunner` can capture one CUDA graph per (layer set, width, span) at
+first use and replay it. The host knows every length: no device reads.
 
-So a pass is the same sequence of kernels whatever the cache holds, and
-`GraphedRunner` captures one CUDA graph per (layer set, width, span) at its
-first use and replays it after. The host still knows every length (it chose them),
-so bookkeeping needs no device read.
-
-This module knows shapes, positions, masks and graphs; it does not know
-plans, acceptance or the decode loop (`static_loop.py`).
+This module does not know plans, acceptance or the decode loop
+(`static_loop.py`).
 """
 
 from __future__ import annotations

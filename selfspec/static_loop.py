@@ -1,19 +1,14 @@
 """The decode loop of the static step: one read back to the host per round.
 
-The round is the eager loop's (`engine.py`): draft, verify, accept, roll
-back, emit, record. What differs is where the data lives. The drafted tokens,
-their confidences, the acceptance and the next token stay on the device,
-each step feeding the next, until one read at the round's end brings them all
-back. So the draft length is chosen before drafting
-(`policy.planned_length()`), not token by token on confidences, and the
-confidences reach the policy with that read, to learn from.
-
-Times come from CUDA events on a GPU (recording one does not wait), and from
-the host clock on a CPU (where every operation has finished when it returns).
-
-A recycled-draft plan (`recycle.py`) grows its trees on the host from the
-successor table, as the eager loop does; the top tokens of every verified
-row come back with the round's one read and are recorded then.
+The round is the eager loop's (`engine.py`): draft, verify, accept, roll back,
+emit, record. The drafted tokens, their confidences, the acceptance and the
+next token stay on the device, each step feeding the next, until one read at
+the round's end brings them back. So the draft length is chosen before
+drafting (`policy.planned_length()`), and the confidences reach the policy
+with that read. Times come from CUDA events on a GPU and the host clock on a
+CPU. Recycled trees grow on the host from the successor table, as in the
+eager loop; the top tokens of every verified row come back with the round's
+one read.
 
 This module does not know shapes or graphs (`static.py`), nor the acceptance
 rule itself (`acceptance.py`).

@@ -1,6 +1,6 @@
 """What one generation did, measured: drafted, accepted, tokens per pass, time.
 
-Counting rules (the words are those of the README's "How it works"):
+Counting rules (the words are those of docs/how-it-works.md):
 - a *verify pass* is one forward pass of the full model; the prompt's prefill
   counts as one (it emits the first new token), so plain decoding reports
   exactly 1.00 tokens per pass;
@@ -8,11 +8,10 @@ Counting rules (the words are those of the README's "How it works"):
 - emitted tokens stop at EOS, a stopping criterion or `max_new_tokens`, so a
   round may emit fewer tokens than it verified;
 - `steps_read` is the weights the passes read (layers, LM head, draft
-  vocabulary rows), in plain steps: plain decoding reads exactly one per
-  token, the prefill included. `tokens_per_step_read` is then the speed over
-  plain decoding on a machine where a pass costs only the weights it reads
-  (memory-bound: a wide pass as cheap as a narrow one; attention and the
-  engine's own work left out). It is a projection, not a timing.
+  vocabulary rows) in plain steps: plain decoding reads exactly one per
+  token, the prefill included. `tokens_per_step_read` is the speed over plain
+  decoding where a pass costs only the weights it reads: a projection, not a
+  timing.
 """
 
 from __future__ import annotations

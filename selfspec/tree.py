@@ -1,26 +1,18 @@
 """Token trees: several drafted continuations verified in one pass over the shared cache.
 
-A tree hangs under the last emitted token x (the root, row 0 of the verify
-pass). Node i (row i + 1) holds a drafted token and its parent: -1 for x, else
-an earlier node. Verification runs x and every node in one pass. Each row
-writes its cache entries at its own slot (start + row), but sits at the
-position of its depth (start + depth), and attends to the verified prefix and
-to its own ancestors only. So every path of the tree sees exactly what a chain
-of those tokens would see.
+A tree hangs under the last emitted token x (row 0 of the verify pass). Node
+i (row i + 1) holds a drafted token and its parent (-1 for x). Each row writes
+its cache entries at its own slot (start + row) but sits at its depth's
+position (start + depth) and sees the verified prefix and its ancestors only.
 
-Greedy acceptance keeps the longest path the target agrees with
-(`accept_tree_greedy`). Sampling keeps a path by recursive rejection over each
-node's children (`accept_tree_sampling`, SpecInfer's multi-draft rule for
-deterministic drafts): the children of a reached node are tried in order, the
-j-th accepted with probability p(t_j) / (1 - the earlier siblings' p), and when
-all are rejected the next token is sampled from p with the children's tokens
-removed. This is sampling from p without replacement, so the kept tokens are
-distributed exactly as the target samples them. The cache is then compacted: the accepted path's entries move from their
-slots to their positions, O(accepted x layers) copies, and the rest is
-cropped (`compact`).
+Greedy keeps the longest path the target agrees with. Sampling (SpecInfer's
+rule for deterministic drafts)
+tries a reached node's children in order, the j-th accepted with probability
+p(t_j) / (1 - the earlier siblings' p), and when all fail samples from p
+without their tokens: exact. `compact` moves the kept path's entries into
+place (O(accepted x layers) copies) and crops the rest.
 
-This module knows trees, masks over their rows and the acceptance rules on them;
-it does not run layers or choose what to draft.
+It does not run layers or choose what to draft.
 """
 
 from __future__ import annotations

@@ -1,24 +1,19 @@
 """A draft vocabulary: the draft scores only the K most frequent tokens.
 
-On a small model the LM head is a large part of a draft step (SmolLM2-135M:
-49,152 x 576, about an eighth of a plain step per drafted token in bf16). A
-draft vocabulary keeps the rows of the K tokens counted most often (on the
-model's own outputs or a user's text) and the draft scores those alone.
+The LM head is a large part of a small model's draft step. A draft
+vocabulary keeps the rows of the K tokens counted most often (on the model's
+own outputs or a user's text), and the draft scores those alone. The target
+still verifies over the full vocabulary, so greedy output is unchanged; when
+sampling, q is zero outside the subset and the rejection rule stays exact.
+A token outside it can still be emitted (recovered or bonus).
 
-What stays exact: the target always verifies over the full vocabulary, so
-greedy output is unchanged; for sampling the draft's q is zero outside the
-subset (its logits are -inf there) and the rejection rule is exact for any q.
-A token outside the subset can still be emitted: as the target's recovered or
-bonus token.
+`DraftVocab` holds a copy of K rows of the LM head, its one cost; from a
+quantized head
+the rows are dequantized (`quant.dense_rows`). The file is an artifact
+(`artifacts.py`): every token id ordered by count (ties by id) and the
+counts, so one file serves any K.
 
-Memory: `DraftVocab` holds a gathered copy of K rows of the LM head (K/V of
-its size; 9 MB for K=8192 on SmolLM2 in bf16). It is the lever's one cost,
-and it is reported by `describe`. From a quantized LM head the rows are
-dequantized (`quant.dense_rows`): the draft scores float rows in the
-activations' dtype, the target still runs its quantized head.
-
-The file is an artifact (`artifacts.py`): every token id ordered by count
-(ties by id) and the counts, so one file serves any K.
+This module does not know plans or the decode loop.
 """
 
 from __future__ import annotations

@@ -5,12 +5,16 @@
 - the engine never imports a tool (`selfspec.cli`, `selfspec.tuning`,
   `selfspec.training`, `selfspec.serving`);
 - no module imports another module's underscored name;
-- no file in the repository edits the module search path (sys + path).
+- no file in the repository edits the module search path (sys + path);
+- docs a newcomer can read: every module docstring in `selfspec` at most 200
+  words, README.md at most 300 lines, every relative link in README.md,
+  docs/ and benchmarks/*.md pointing at a file that exists.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import selfspec
@@ -114,3 +118,36 @@ def test_no_file_edits_the_module_search_path():
                 offenders.append(str(path.relative_to(REPO)))
                 break
     assert not offenders, f"files that touch the module search path: {offenders}"
+
+
+DOCSTRING_WORDS = 200
+README_LINES = 300
+
+
+def test_module_docstrings_are_short():
+    """A module docstring says what the module is, does and does not know; details live in docs/."""
+    long = sorted(
+        f"{p.relative_to(REPO)}: {n} words"
+        for p in PACKAGE.rglob("*.py")
+        if (n := len((ast.get_docstring(ast.parse(p.read_text(encoding="utf-8"))) or "").split())) > DOCSTRING_WORDS
+    )
+    assert not long, f"module docstrings over {DOCSTRING_WORDS} words: {long}"
+
+
+def test_readme_fits_a_newcomer():
+    lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= README_LINES, f"README.md has {len(lines)} lines; at most {README_LINES} (topics go to docs/)"
+
+
+def test_doc_links_point_at_files():
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "benchmarks").glob("*.md"))]
+    assert (REPO / "docs").is_dir() and len(pages) > 3
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
+            if "://" in target or target.startswith("#"):
+                continue
+            path = (page.parent / target.split("#")[0]).resolve()
+            if not path.exists():
+                broken.append(f"{page.relative_to(REPO)} -> {target}")
+    assert not broken, f"links to missing files: {broken}"

@@ -1,23 +1,18 @@
 """Train an exit head by self-distillation: the target labels its own text (from `text`).
 
 1. Features: each sequence runs once through the frozen target (the engine's
-   `LayerRunner`, so masks and positions are the engine's); we keep the states
-   after layer E-1 (the head's input) and the final normed states (from which
-   the target's distribution p is recomputed by the shared LM head).
-2. Training: the head (a copy of one decoder layer, `head.py`) runs on the
-   states after layer E-1 through the same runner, then the model's own final
-   norm and LM head give q; the loss is KL(p || q) averaged over positions.
-   AdamW, warm-up then cosine decay, gradient clipping; stops at the epoch or
-   time budget, whichever comes first.
-3. Held-out sequences measure top-1 agreement with the target (the greedy
-   acceptance rate of a one-token draft), for the head and for the same exit
-   without a head.
+   `LayerRunner`); keep the states
+   after layer E-1 (the head's input) and the final normed states (p is
+   recomputed from them by the shared LM head).
+2. Training: the head (`head.py`) runs on the states after layer E-1, then
+   the model's own final norm and LM head give q; the loss is KL(p || q)
+   over positions. AdamW, warm-up then cosine decay, gradient clipping,
+   until the epoch or time budget runs out.
+3. Held-out sequences measure top-1 agreement with the target, with and
+   without the head.
 
-Training runs in float32 (load the model in float32); the saved head is cast
-to the model's dtype when a plan loads it.
-
-The model is never modified: the head is a copy, the model's parameters stay
-frozen. This module does not know plans or the decode loop.
+Training runs in float32; a plan casts the saved head to the model's dtype.
+The model is never modified. This module does not know plans or the decode loop.
 """
 
 from __future__ import annotations

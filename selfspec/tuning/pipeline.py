@@ -1,27 +1,19 @@
-"""The whole search, in order; `TuneConfig` says how hard to look.
+"""The whole plan search, in order; `TuneConfig` says how hard to look.
 
-1. **Calibration** (`calibration`): the target's own greedy continuations of
-   the prompts, generated once with the engine's plain path: the tokens a
-   draft must predict.
-2. **Cost model** (`cost`): on this machine and in the model's dtype, the time
-   of one layer and of the LM head on 1..k+1 tokens, as fractions of one plain
-   decoding step.
+1. **Calibration** (`calibration`): the target's own greedy continuations.
+2. **Cost model** (`cost`): a layer and the LM head on 1..k+1 tokens, timed
+   here, as fractions of a plain step.
 3. **Search** (`layer_search`), scored by the acceptance proxy (`proxy`, its
-   rounds replayed in `replay`): early exits, a greedy walk that drops one
+   rounds replayed in `replay`): early exits, a greedy walk dropping one
    layer at a time, then local moves (or random search, or optuna).
-4. **Re-scoring**: the best layer sets and the Pareto front, re-scored by the
-   exact proxy, which also picks each one's draft-length policy.
-5. **Proxy check** (`proxy_check`): a few plans run for real, to measure the
-   proxy's error.
-6. **Confirmation** (`confirm`): the best few timed against the plain path on
-   held-out prompts; the fastest measured plan wins.
+4. **Re-scoring**: the best sets and the Pareto front, by the exact proxy,
+   which also picks each one's draft-length policy.
+5. **Proxy check** (`proxy_check`): a few plans run for real.
+6. **Confirmation** (`confirm`): the best few timed against the plain path
+   on held-out prompts; the fastest wins (`report` holds the result).
 
-`tune` runs the steps of the other modules and picks the fastest confirmed
-plan; it holds none of their logic itself. `report` holds its result.
-
-What the search does not know: sampling (the proxy scores greedy agreement),
-logits processors, batch sizes above 1, anything about the machine beyond
-what it measures here.
+The search does not know sampling,
+logits processors, batches above 1, or the machine beyond what it measures.
 """
 
 from __future__ import annotations

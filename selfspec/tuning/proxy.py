@@ -1,23 +1,18 @@
 """The acceptance proxy: a draft's greedy agreement with the target, measured without decoding.
 
-The target's hidden states after every layer and its keys and values are
-captured once per calibration sequence. A round is then started at every
+The target's hidden states after every layer, and its keys and values, are
+captured once per calibration sequence. A round then starts at every
 generated position at once: the draft's layers past its exact prefix run on
-all those positions in one batch, each query attending to the target's
-entries before its round and to the draft's own entries for its round's
-earlier tokens, exactly what the engine's draft sees (the cruder one-pass
-contexts are kept for comparison). `ProxyEvaluator.evaluate` replays the
-engine's rounds on the agreement for every policy of a grid and keeps the
-best by the cost model. Depth d is scored only for rounds whose tokens
-0..d-1 were all accepted, so the cost is about one partial forward pass per
-accepted-length step. The "rounds" context equals real greedy acceptance (the
-tests check it token for token in float64; in bfloat16 it tracks it within
-about 0.01); the one-pass "target" context scores round starts only (exact for
-k = 1) and does the wide search.
+all positions in one batch, each query seeing the target's entries before its
+round and the draft's own entries for its round's earlier tokens, exactly
+what the engine's draft sees. `ProxyEvaluator.evaluate` replays the engine's
+rounds for every policy of a grid and keeps the best by the cost model;
+depth d is scored only where tokens 0..d-1 were accepted. This "rounds"
+context equals real greedy acceptance (tested token for token in float64);
+the cheaper one-pass "target" context scores round starts only and does the
+wide search.
 
-What it does not know: sampling (it scores greedy agreement), logits
-processors, batch sizes above 1, and which layer sets to try (the search's
-business).
+It does not know sampling, logits processors, batches or which sets to try.
 """
 
 from __future__ import annotations
