@@ -260,6 +260,22 @@ def test_seeded_sampling_reproduces(server):
     assert first == again and len(first.split()) > 0
 
 
+def test_sampling_draws_from_the_whole_vocabulary(server, tiny):
+    """OpenAI has no top-k: a seeded sample is `generate`'s with top_k off, not transformers' default top_k=50."""
+    model, tokenizer = tiny
+    ids = chat_ids(tokenizer, "w31 w32")
+    served = chat(server, "w31 w32", temperature=2.0, seed=99, max_tokens=32).choices[0].message.content
+    spec = selfspec.wrap(model, plan=PLAN)
+
+    def sample(**options) -> str:
+        out = spec.generate(ids, max_new_tokens=32, do_sample=True, temperature=2.0, top_p=1.0,
+                            generator=torch.Generator().manual_seed(99), **options)
+        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+    assert sample() != sample(top_k=0)  # the tiny model's 97 tokens: top-50 sampling gives other text
+    assert served == sample(top_k=0)
+
+
 def test_models_and_health(server):
     assert [m.id for m in server.client.models.list()] == [MODEL]
     health = httpx.get(f"{server.url}/health")

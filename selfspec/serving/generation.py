@@ -209,12 +209,16 @@ class Engine:
         return self.spec.memory(context=context).kv_cache_bytes
 
     def options(self, job: Job) -> dict:
-        """`generate` options of a job: its length, and greedy or sampling with its seed."""
+        """`generate` options of a job: its length, and greedy or sampling with its seed.
+
+        OpenAI's API has no top-k: sampling draws from the whole vocabulary (after `top_p`), so `top_k=0`
+        overrides transformers' default of 50 and any `top_k` in the model's generation config.
+        """
         options: dict = dict(max_new_tokens=job.max_tokens)
         if job.temperature == 0 or job.top_p == 0:
             options["do_sample"] = False
         else:
-            options.update(do_sample=True, temperature=job.temperature, top_p=job.top_p)
+            options.update(do_sample=True, temperature=job.temperature, top_p=job.top_p, top_k=0)
             if job.seed is not None:
                 options["generator"] = torch.Generator(device=self.device).manual_seed(job.seed)
         return options
