@@ -228,8 +228,11 @@ class Engine:
         criteria = JobCriteria(job, self.tokenizer)
         streamer = JobStreamer(job, self.tokenizer, criteria)
         input_ids = torch.tensor([job.prompt], dtype=torch.long, device=self.device)
-        output = self.spec.generate(input_ids, stopping_criteria=StoppingCriteriaList([criteria]),
-                                    streamer=streamer, **self.options(job))
+        # Every prompt token is text the client sent, the pad id included (transformers hides it when no mask is
+        # given and the pad id is not an EOS id); a batch row (`join`) attends to every token too.
+        output = self.spec.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                    stopping_criteria=StoppingCriteriaList([criteria]), streamer=streamer,
+                                    **self.options(job))
         return self.result(job, output[0, len(job.prompt):].tolist(), self.spec.last_stats, streamer)
 
     def session(self, max_rows: int):
