@@ -532,6 +532,46 @@ def test_bad_inputs_get_4xx_and_the_server_stays_healthy(server, tiny):
     assert chat(server, "w2").choices[0].message.content == reference(tiny, chat_ids(tiny[1], "w2"))
 
 
+@pytest.mark.parametrize("which", ["server", "batched"])
+def test_a_failure_on_the_worker_is_a_logged_500_and_the_server_goes_on(which, request, tiny, caplog):
+    """Not the request's fault (a ValueError from deep in the engine, as NaN weights gave): 500, cause logged."""
+    server = request.getfixturevalue(which)
+    spec = server.scheduler.engine.spec
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise ValueError("cannot convert float NaN to integer")
+
+    failed = server.metric('selfspec_requests_total{outcome="failed"}')
+    if which == "server":
+        spec.generate = broken  # the next request's one generate call
+    else:
+        server.scheduler.engine.join = broken  # the next request's row
+    try:
+        with caplog.at_level("ERROR", logger="selfspec.serving"):
+            response = httpx.post(f"{server.url}/v1/chat/completions", json={**CHAT, "max_tokens": 4}, timeout=30)
+            with httpx.stream("POST", f"{server.url}/v1/completions", timeout=30,
+                              json={**TEXT, "max_tokens": 4, "stream": True}) as stream:
+                events = [e for e in stream.read().decode().split("\n\n") if e]
+    finally:
+        if which == "server":
+            del spec.generate
+        else:
+            del server.scheduler.engine.join
+    assert len(calls) == 2
+    assert response.status_code == 500, response.text
+    error = response.json()["error"]
+    assert error["type"] == "server_error" and "ValueError" in error["message"] and "NaN" not in error["message"]
+    streamed = json.loads(events[-2][len("data: "):])["error"]  # a stream ends with the error, then [DONE]
+    assert streamed["type"] == "server_error" and events[-1] == "data: [DONE]"
+    logged = [r for r in caplog.records if r.name == "selfspec.serving" and r.exc_info]
+    assert len(logged) == 2 and "cannot convert float NaN" in str(logged[0].exc_info[1])
+    assert server.metric('selfspec_requests_total{outcome="failed"}') == failed + 2
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert chat(server, "w2").choices[0].message.content == reference(tiny, chat_ids(tiny[1], "w2"))
+
+
 def test_api_key(tiny):
     with serving(*tiny, api_key="s3cret") as server:
         body = {**TEXT, "max_tokens": 2}

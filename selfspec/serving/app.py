@@ -8,7 +8,9 @@
 
 Every error is OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
 a malformed body or a wrong type is 400, an unknown model 404, a missing or
-wrong API key 401, a full queue 429. The work happens on the scheduler's
+wrong API key 401, a full queue 429. Requests are checked in full before they
+are queued: a failure after that is the server's, a 500 `server_error` with
+its cause logged (the server goes on). The work happens on the scheduler's
 worker thread; this module only turns requests into `Job`s and events into
 responses (SSE chunks when `stream` is true, ending with `data: [DONE]`).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -33,6 +36,7 @@ from .generation import Delta, Engine, Failed, Job, Result, Tokenizer
 from .metrics import Metrics
 from .scheduler import QueueFull, Scheduler, ShuttingDown
 
+log = logging.getLogger("selfspec.serving")
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's legacy endpoint
 MAX_STOP_STRINGS = 4
 DISCONNECT_POLL_SECONDS = 0.25  # how often a waiting non-streaming request checks that its client is still there
@@ -236,7 +240,9 @@ def create_app(spec, tokenizer, *, model_name: str, max_batch: int = 1, max_queu
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, error: Exception):
-        return error_response(500, f"internal error: {type(error).__name__}", type="server_error")
+        log.error("%s %s failed", request.method, request.url.path, exc_info=error)
+        return error_response(500, f"internal error ({type(error).__name__}); the cause is in the server's log",
+                              type="server_error")
 
     # ------------------------------------------------------------------ checks and jobs
 
@@ -291,11 +297,12 @@ def create_app(spec, tokenizer, *, model_name: str, max_batch: int = 1, max_queu
             raise APIError(503, str(error), type="server_error", code="shutting_down") from None
 
     def failure(error: BaseException) -> APIError:
+        """The answer to a job that failed on the worker (which logged the cause). The request was checked in full
+        before it was queued, so what fails there is the server's fault, whatever the exception's type."""
         if isinstance(error, ShuttingDown):
             return APIError(503, str(error), type="server_error", code="shutting_down")
-        if isinstance(error, ValueError):  # the engine refused the request's values
-            return APIError(400, " ".join(str(error).split()))
-        return APIError(500, f"generation failed: {type(error).__name__}", type="server_error")
+        return APIError(500, f"generation failed ({type(error).__name__}); the cause is in the server's log",
+                        type="server_error")
 
     def stats(result: Result) -> dict:
         return {

@@ -203,8 +203,7 @@ class Scheduler:
         self._answer(job, result)
 
     def _fail(self, job: Job, error: BaseException) -> None:
-        if not isinstance(error, ValueError):
-            log.exception("generation failed", exc_info=error)
+        log.error("generation failed", exc_info=error)  # the client gets a 500 naming the exception's type only
         self._count(job, "failed")
         job.send(Failed(error))
 
