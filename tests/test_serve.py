@@ -486,6 +486,8 @@ BAD = [  # (case, endpoint, body (a dict, or raw bytes sent as JSON), status, pa
     ("not an object", "completions", b"[1, 2]", 400, None),
     ("missing model", "chat/completions", {"messages": CHAT["messages"]}, 400, "model"),
     ("missing messages", "chat/completions", {"model": MODEL}, 400, "messages"),
+    ("empty body", "chat/completions", b"", 400, "model"),
+    ("empty object", "completions", {}, 400, "model"),
     ("max_tokens a string", "completions", {**TEXT, "max_tokens": "5"}, 400, "max_tokens"),
     ("max_tokens 0", "completions", {**TEXT, "max_tokens": 0}, 400, "max_tokens"),
     ("temperature a string", "chat/completions", {**CHAT, "temperature": "hot"}, 400, "temperature"),
@@ -570,6 +572,16 @@ def test_a_failure_on_the_worker_is_a_logged_500_and_the_server_goes_on(which, r
     assert server.metric('selfspec_requests_total{outcome="failed"}') == failed + 2
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert chat(server, "w2").choices[0].message.content == reference(tiny, chat_ids(tiny[1], "w2"))
+
+
+def test_an_empty_body_names_the_missing_parameters(server):
+    for endpoint, field in (("chat/completions", "messages"), ("completions", "prompt")):
+        for body in (b"", b"{}"):
+            response = httpx.post(f"{server.url}/v1/{endpoint}", content=body,
+                                  headers={"Content-Type": "application/json"})
+            message = response.json()["error"]["message"]
+            assert response.status_code == 400 and "'model'" in message and f"'{field}'" in message, message
+            assert "None" not in message and ("empty" in message) == (body == b"")
 
 
 def test_api_key(tiny):

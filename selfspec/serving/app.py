@@ -225,9 +225,21 @@ def create_app(spec, tokenizer, *, model_name: str, max_batch: int = 1, max_queu
     async def api_error(request: Request, error: APIError):
         return error_response(error.status, error.message, type=error.type, param=error.param, code=error.code)
 
+    bodies = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, error: RequestValidationError):
         errors = error.errors()
+        required = [name for name, field in bodies[request.url.path].model_fields.items() if field.is_required()] \
+            if request.url.path in bodies else []
+        if any(e.get("type") == "missing" and tuple(e.get("loc", ())) == ("body",) for e in errors) and required:
+            names = ", ".join(f"'{name}'" for name in required)
+            return error_response(400, f"the request body is empty: missing required parameters {names} "
+                                       f"(send a JSON object, Content-Type: application/json)", param=required[0])
+        missing = [validation_message(e)[1] for e in errors if e.get("type") == "missing"]
+        if len(missing) > 1 and len(missing) == len(errors):
+            names = ", ".join(f"'{name}'" for name in missing)
+            return error_response(400, f"missing required parameters: {names}", param=missing[0])
         message, param = validation_message(errors[0]) if errors else ("invalid request", None)
         if len(errors) > 1:
             message += f" (and {len(errors) - 1} more)"
