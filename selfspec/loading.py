@@ -56,6 +56,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors import SafetensorError
 
 from .quant import check_quantize_options, quantize_model, quiet_torchao_import
 
@@ -325,7 +326,11 @@ def _load_local_folder(path: Path, dtype: torch.dtype, device: torch.device, pro
             "or .gguf files"
         )
     with _transformers_progress_bars(progress):
-        return _load_folder(path, dtype, device)
+        try:
+            return _load_folder(path, dtype, device)
+        except SafetensorError as error:  # a truncated or damaged weights file
+            raise ValueError(f"could not read the weights in {path} ({error}): a .safetensors file there is "
+                             f"truncated or damaged") from None
 
 
 def _load_local_gguf(
@@ -392,7 +397,7 @@ def _load_gguf_cached(
     try:
         with _transformers_progress_bars(False):  # reading the cache takes seconds; its bars are noise
             return _load_folder(folder, dtype, device)
-    except (OSError, ValueError, RuntimeError) as error:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as error:
         raise ValueError(f"could not read the converted cache {folder} ({error}); delete that folder "
                          "and load again to convert it anew") from error
 
