@@ -584,6 +584,64 @@ def test_an_empty_body_names_the_missing_parameters(server):
             assert "None" not in message and ("empty" in message) == (body == b"")
 
 
+def test_a_body_over_the_limit_is_413(tiny):
+    with serving(*tiny, max_request_bytes=2000) as server:
+        big = {**CHAT, "messages": [{"role": "user", "content": " ".join(["w1"] * 1000)}]}  # about 3,000 bytes
+        for how in ("content-length", "chunked"):
+            raw = json.dumps(big).encode()
+            content = raw if how == "content-length" else iter([raw[:1000], raw[1000:]])
+            response = httpx.post(f"{server.url}/v1/chat/completions", content=content,
+                                  headers={"Content-Type": "application/json"}, timeout=30)
+            assert response.status_code == 413, (how, response.text)
+            error = response.json()["error"]
+            assert error["code"] == "request_too_large" and "2000 bytes" in error["message"], error
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        assert chat(server, "w2").choices[0].message.content == reference(tiny, chat_ids(tiny[1], "w2"))
+    from selfspec.cli import main
+
+    assert main(["serve", "/no/such/model", "--max-request-bytes", "0"]) == 2  # refused as it is parsed
+
+
+def test_tokenizing_a_long_prompt_holds_up_neither_the_loop_nor_the_worker(server, tiny, monkeypatch):
+    """A prompt being encoded (seconds, for megabytes of text) leaves /health and the running streams alone."""
+    entered, release = threading.Event(), threading.Event()
+    tokenizer_class = type(tiny[1])
+    original = tokenizer_class.apply_chat_template
+
+    def slow(self, messages, *args, **kwargs):
+        if messages[-1]["content"] == "w90 w91":  # this request's prompt takes as long as the test says
+            entered.set()
+            assert release.wait(30), "the test did not release the tokenizer"
+        return original(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer_class, "apply_chat_template", slow)
+    done: dict = {}
+    streaming = threading.Thread(target=lambda: done.setdefault("stream", streamed_chat(server, "w92 w93",
+                                                                                          max_tokens=24)))
+    encoding = threading.Thread(target=lambda: done.setdefault("held", chat(server, "w90 w91")))
+    server.gate.clear()  # the stream runs (held at its first token) before the long prompt arrives
+    try:
+        streaming.start()
+        wait_until(lambda: len(server.scheduler.running) == 1, "the stream to run")
+        encoding.start()
+        assert entered.wait(30)
+        began = time.perf_counter()
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+        assert time.perf_counter() - began < 1.0
+        # The worker decodes (with its own tokenizer) while the requests' copy is held: the stream runs to its end.
+        server.gate.set()
+        streaming.join(timeout=10)
+        assert not streaming.is_alive(), "the stream waited for the long prompt's tokenizing"
+        assert done["stream"][0] == reference(tiny, chat_ids(tiny[1], "w92 w93"), new=24)
+        assert "held" not in done
+    finally:
+        server.gate.set()
+        release.set()
+    encoding.join(timeout=60)
+    streaming.join(timeout=60)
+    assert done["held"].choices[0].message.content == reference(tiny, chat_ids(tiny[1], "w90 w91"))
+
+
 def test_api_key(tiny):
     with serving(*tiny, api_key="s3cret") as server:
         body = {**TEXT, "max_tokens": 2}

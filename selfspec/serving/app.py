@@ -8,7 +8,7 @@
 
 Every error is OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
 a malformed body or a wrong type is 400, an unknown model 404, a missing or
-wrong API key 401, a full queue 429. Requests are checked in full before they
+wrong API key 401, a body over `max_request_bytes` 413, a full queue 429. Requests are checked in full before they
 are queued: a failure after that is the server's, a 500 `server_error` with
 its cause logged (the server goes on). The work happens on the scheduler's
 worker thread; this module only turns requests into `Job`s and events into
@@ -39,6 +39,7 @@ from .scheduler import QueueFull, Scheduler, ShuttingDown
 log = logging.getLogger("selfspec.serving")
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's legacy endpoint
 MAX_STOP_STRINGS = 4
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a request body beyond it gets 413: far more text than a context holds
 DISCONNECT_POLL_SECONDS = 0.25  # how often a waiting non-streaming request checks that its client is still there
 
 
@@ -171,6 +172,54 @@ class APIKeyCheck:
         await self.app(scope, receive, send)
 
 
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is answered 413 before the app reads any of it.
+
+    The body is read here (as the app would read it whole anyway), counting as it arrives, so a body without
+    Content-Length (chunked) is cut off at the limit too; the app then gets it in one message.
+    """
+
+    def __init__(self, app, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            await self.refuse(scope, receive, send)
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            body += message.get("body", b"")
+            if len(body) > self.limit:
+                await self.refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # a disconnect, for whoever listens
+
+        await self.app(scope, replay, send)
+
+    async def refuse(self, scope, receive, send) -> None:
+        response = error_response(413, f"the request body is larger than this server's limit of {self.limit} "
+                                       f"bytes (--max-request-bytes)", code="request_too_large",
+                                  headers={"Connection": "close"})
+        await response(scope, receive, send)
+
+
 class EventStream(StreamingResponse):
     """A streaming response that calls `on_close` however it ends (finished, client gone, server stopping)."""
 
@@ -190,14 +239,18 @@ def sse(payload: dict | str) -> str:
 
 
 def create_app(spec, tokenizer, *, model_name: str, max_batch: int = 1, max_queue: int = 64,
-               api_key: str | None = None, engine: Callable[..., Engine] = Engine) -> FastAPI:
+               api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               engine: Callable[..., Engine] = Engine) -> FastAPI:
     """An OpenAI-compatible app serving `spec` (`selfspec.wrap(model)`) under the name `model_name`.
 
     The app owns a `Scheduler` (`app.state.scheduler`) whose worker thread
     starts and stops with the app's lifespan, and its own metrics registry
     (`app.state.metrics`). `engine(spec, tokenizer)` builds what runs the jobs
-    (default `Engine`; a benchmark passes another with its interface).
+    (default `Engine`; a benchmark passes another with its interface). A
+    request body over `max_request_bytes` gets 413.
     """
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes={max_request_bytes} (valid: >= 1)")
     tokens = Tokenizer(tokenizer)
     metrics = Metrics()
     scheduler = Scheduler(engine(spec, tokens), metrics, max_batch=max_batch, max_queue=max_queue)
@@ -218,7 +271,9 @@ def create_app(spec, tokenizer, *, model_name: str, max_batch: int = 1, max_queu
     app = FastAPI(title="selfspec", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.scheduler = scheduler
     app.state.metrics = metrics
-    if api_key:
+    app.state.tokenizer = tokens
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
+    if api_key:  # the outer check: a request without the key is refused before its body is read
         app.add_middleware(APIKeyCheck, key=api_key)
 
     @app.exception_handler(APIError)
@@ -405,7 +460,7 @@ def create_app(spec, tokenizer, *, model_name: str, max_batch: int = 1, max_queu
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions",
                            param="messages")
         try:
-            prompt = tokens.encode_chat([m.for_template() for m in body.messages])
+            prompt = await asyncio.to_thread(tokens.encode_chat, [m.for_template() for m in body.messages])
         except Exception as error:  # the template's own checks (roles must alternate, ...)
             raise APIError(400, f"the chat template refused these messages: {error}", param="messages") from None
         events, sink = events_queue()
@@ -423,7 +478,7 @@ def create_app(spec, tokenizer, *, model_name: str, max_batch: int = 1, max_queu
                                param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = tokens.encode_text(prompt)
+            ids = await asyncio.to_thread(tokens.encode_text, prompt)  # seconds for a long text: not on the loop
         else:
             ids = list(prompt)
             bad = next((t for t in ids if not 0 <= t < vocab_size), None)

@@ -17,6 +17,7 @@ serving work:
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,25 +28,28 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 
 class Tokenizer:
-    """The model's tokenizer behind a lock: the HTTP thread encodes while the worker decodes."""
+    """The model's tokenizer, two copies each behind its own lock: the HTTP side encodes (in a thread of its own)
+    while the worker decodes, so a long prompt being encoded never holds up the worker's streams."""
 
     def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # the worker's: decode
         self.lock = threading.Lock()
+        self.encoder = copy.deepcopy(tokenizer)  # the requests': encode_chat, encode_text
+        self.encode_lock = threading.Lock()
 
     @property
     def has_chat_template(self) -> bool:
         return getattr(self.tokenizer, "chat_template", None) is not None
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        with self.lock:
-            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                         return_dict=True)
+        with self.encode_lock:
+            encoded = self.encoder.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=True)
         return list(encoded["input_ids"])
 
     def encode_text(self, text: str) -> list[int]:
-        with self.lock:
-            return list(self.tokenizer(text)["input_ids"])
+        with self.encode_lock:
+            return list(self.encoder(text)["input_ids"])
 
     def decode(self, ids: list[int]) -> str:
         with self.lock:
