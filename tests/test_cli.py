@@ -207,6 +207,43 @@ def test_ctrl_c_during_start_up_prints_interrupted_only(tiny_folder):
     assert probe.stdout.strip() == "[]", probe
 
 
+def test_serve_stops_a_running_stream_after_the_grace_period_on_sigint(tiny_folder):
+    """`selfspec serve` and a stream of 30,000 tokens: SIGINT ends the stream properly and the process soon after."""
+    import socket
+
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = selfspec_process(["serve", str(tiny_folder), "--port", str(port), "--max-batch", "1",
+                                "--shutdown-grace", "0.5"], stdout=subprocess.DEVNULL,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        seen = b""
+        while b"Uvicorn running" not in seen and b"Application startup complete" not in seen:
+            line = process.stderr.readline()
+            assert line, seen.decode()
+            seen += line
+        body = {"model": str(tiny_folder), "prompt": "hello", "max_tokens": 30000, "temperature": 0, "stream": True}
+        events = []
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            events += [next(lines), next(lines)]  # generating
+            signalled = time.monotonic()
+            process.send_signal(signal.SIGINT)
+            events += [line for line in lines if line]
+        assert events[-1] == "data: [DONE]" and "shutting_down" in events[-2], events[-3:]
+        assert process.wait(timeout=30) == 130
+        assert time.monotonic() - signalled < 15
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+    stderr = seen.decode() + process.stderr.read().decode()
+    assert "Traceback" not in stderr, stderr
+
+
 def test_truncated_weights_are_one_line(tiny_folder, tmp_path, capsys):
     folder = tmp_path / "truncated"
     folder.mkdir()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import socket
 import threading
 import time
@@ -29,6 +30,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import selfspec
 from selfspec.serving import create_app
+from selfspec.serving.app import GracefulServer
 from selfspec.testing import tiny_model
 
 MODEL = "tiny-llama"
@@ -111,19 +113,21 @@ def wait_until(condition, what: str, timeout: float = 20.0) -> None:
 
 
 @contextlib.contextmanager
-def serving(model, tokenizer, plan=PLAN, **options):
-    """A uvicorn server on a free port of 127.0.0.1, in a thread; stopped with `should_exit`."""
+def serving(model, tokenizer, plan=PLAN, grace: float = 2.0, **options):
+    """A uvicorn server (`GracefulServer`, as `selfspec serve` runs) on a free port of 127.0.0.1, in a thread;
+    stopped with `should_exit`, or as a signal stops it with `handle.uvicorn.handle_exit`."""
     spec = Gated(selfspec.wrap(model, plan=plan))
     app = create_app(spec, tokenizer, model_name=MODEL, **options)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
+    server = GracefulServer(config, grace=grace)
     thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
     thread.start()
     wait_until(lambda: server.started or not thread.is_alive(), "the server to start")
     assert server.started, "the server did not start"
     handle = Server(app, f"http://127.0.0.1:{sock.getsockname()[1]}", spec.gate)
+    handle.uvicorn, handle.thread = server, thread
     try:
         yield handle
     finally:
@@ -640,6 +644,58 @@ def test_tokenizing_a_long_prompt_holds_up_neither_the_loop_nor_the_worker(serve
     encoding.join(timeout=60)
     streaming.join(timeout=60)
     assert done["held"].choices[0].message.content == reference(tiny, chat_ids(tiny[1], "w90 w91"))
+
+
+def test_a_signal_gives_running_requests_a_grace_period_then_stops_them(tiny):
+    """SIGTERM/SIGINT: new and waiting requests 503, the running stream stopped after the grace period with an
+    error event and [DONE], and the server exits without waiting for the generation to run out."""
+    with serving(*tiny, grace=0.5) as server:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "w80"}], "max_tokens": 200,
+                "temperature": 0, "stream": True}
+        events: list[str] = []
+        waiting: dict = {}
+        server.gate.clear()  # the worker holds the stream at its first token
+        try:
+            def read_stream():
+                with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=30) as response:
+                    events.extend(e for e in response.read().decode().split("\n\n") if e)
+
+            stream = threading.Thread(target=read_stream)
+            stream.start()
+            wait_until(lambda: len(server.scheduler.running) == 1, "the stream to run")
+            queued = threading.Thread(target=lambda: waiting.setdefault("r", httpx.post(
+                f"{server.url}/v1/completions", json={**TEXT, "max_tokens": 4}, timeout=30)))
+            queued.start()
+            wait_until(lambda: server.scheduler.queue_depth == 1, "the second request to queue")
+            signalled = time.monotonic()
+            server.uvicorn.handle_exit(signal.SIGTERM, None)
+            wait_until(lambda: server.scheduler.draining, "the scheduler to drain")
+            queued.join(timeout=10)
+            assert waiting["r"].status_code == 503 and waiting["r"].json()["error"]["code"] == "shutting_down"
+            try:  # a new request: 503, or no connection once uvicorn has closed its socket
+                chat(server, "w81")
+                pytest.fail("a request after the signal was served")
+            except openai.APIStatusError as refused:
+                assert refused.status_code == 503
+            except openai.APIConnectionError:
+                pass
+            from selfspec.serving.generation import Job
+            from selfspec.serving.scheduler import ShuttingDown
+
+            with pytest.raises(ShuttingDown):
+                server.scheduler.submit(Job(prompt=[5], max_tokens=1, temperature=0, top_p=1, seed=None, stop=[],
+                                            stream=False, sink=lambda event: None))
+            time.sleep(0.6)  # past the grace period: the stream is stopped at its next token
+        finally:
+            server.gate.set()
+        stream.join(timeout=10)
+        server.thread.join(timeout=10)
+        assert not server.thread.is_alive(), "the server did not exit"
+        assert time.monotonic() - signalled < 8
+    assert events[-1] == "data: [DONE]", events
+    error = json.loads(events[-2][len("data: "):])["error"]
+    assert error["code"] == "shutting_down" and error["type"] == "server_error", error
+    assert not any('"finish_reason": "length"' in e for e in events)
 
 
 def test_api_key(tiny):

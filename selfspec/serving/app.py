@@ -21,6 +21,7 @@ import asyncio
 import hmac
 import json
 import logging
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -31,6 +32,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import uvicorn
 
 from .generation import Delta, Engine, Failed, Job, Result, Tokenizer
 from .metrics import Metrics
@@ -232,6 +235,29 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.on_close()
+
+
+DEFAULT_SHUTDOWN_GRACE = 5.0  # seconds running requests get to finish after SIGINT or SIGTERM
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server for an app of `create_app`: on SIGINT or SIGTERM it first drains the app's scheduler
+    (`Scheduler.drain`: new requests 503, running ones `grace` seconds, then stopped), so that uvicorn's wait
+    for open responses ends soon after; a second signal exits at once, as in uvicorn."""
+
+    def __init__(self, config: uvicorn.Config, *, grace: float = DEFAULT_SHUTDOWN_GRACE) -> None:
+        if not grace >= 0:
+            raise ValueError(f"shutdown grace {grace!r} (valid: >= 0 seconds)")
+        if config.timeout_graceful_shutdown is None:  # a backstop, should a response not end
+            config.timeout_graceful_shutdown = int(grace) + 10
+        super().__init__(config)
+        self.grace = grace
+
+    def handle_exit(self, sig, frame) -> None:
+        scheduler = getattr(getattr(self.config.app, "state", None), "scheduler", None)
+        if scheduler is not None:  # not here: a signal handler may have interrupted this thread inside the scheduler
+            threading.Thread(target=scheduler.drain, args=(self.grace,), name="selfspec-drain", daemon=True).start()
+        super().handle_exit(sig, frame)
 
 
 def sse(payload: dict | str) -> str:

@@ -102,6 +102,7 @@ class Job:
     first_token_at: float | None = None
     finished_at: float | None = None
     outcome: str | None = None  # how it ended, as counted: "completed", "cancelled" or "failed"
+    cut_off: bool = False  # stopped because the server is shutting down (its grace period ran out)
 
     def cancel(self) -> None:
         self.cancelled.set()
