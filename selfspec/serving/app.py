@@ -8,9 +8,10 @@
 
 Every error is OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
 a malformed body or a wrong type is 400, an unknown model 404, a missing or
-wrong API key 401, a body over `max_request_bytes` 413, a full queue 429. Requests are checked in full before they
-are queued: a failure after that is the server's, a 500 `server_error` with
-its cause logged (the server goes on). The work happens on the scheduler's
+wrong API key 401, a body over `max_request_bytes` 413, a full queue 429.
+Requests are checked in full before they are queued: a failure after that is
+the server's, a 500 `server_error` with its cause logged (the server goes
+on). The work happens on the scheduler's
 worker thread; this module only turns requests into `Job`s and events into
 responses (SSE chunks when `stream` is true, ending with `data: [DONE]`).
 """
@@ -297,7 +298,6 @@ def create_app(spec, tokenizer, *, model_name: str, max_batch: int = 1, max_queu
     app = FastAPI(title="selfspec", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.scheduler = scheduler
     app.state.metrics = metrics
-    app.state.tokenizer = tokens
     app.add_middleware(BodyLimit, limit=max_request_bytes)
     if api_key:  # the outer check: a request without the key is refused before its body is read
         app.add_middleware(APIKeyCheck, key=api_key)
