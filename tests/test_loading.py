@@ -251,6 +251,25 @@ def test_zeroed_bytes_are_found_by_the_hashes(tmp_path, fake_gguf, conversions):
     assert len(conversions) == 2 and loading.cache_damage(folder, full=True) is None
 
 
+def test_a_damaged_block_the_sampled_hash_misses_is_found_on_every_load(tmp_path, fake_gguf, conversions, capsys,
+                                                                        monkeypatch):
+    """Every load checks every byte (the full SHA-256), not only the sampled blocks; no verify=True needed."""
+    monkeypatch.setattr(loading, "SAMPLE_BLOCK", 16)  # blocks far apart in this small file, as in a large one
+    folder = _converted(tmp_path, fake_gguf)
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    step = (len(data) - loading.SAMPLE_BLOCK) // (loading.SAMPLE_BLOCKS - 1)
+    where = 7 * step + step // 2  # between two sampled blocks, among the tensors' bytes (past the header)
+    assert step > 8 * 64 and where > 8 + int.from_bytes(data[:8], "little")
+    data[where : where + 64] = bytes(64)
+    weights.write_bytes(bytes(data))
+    assert loading.cache_damage(folder) is None  # the sample does not see it
+    model, _ = load(fake_gguf, cache_dir=folder.parent)
+    assert "is damaged (model.safetensors does not hold the bytes" in capsys.readouterr().err
+    assert len(conversions) == 2 and loading.cache_damage(folder, full=True) is None
+    assert model.config.num_hidden_layers == 2
+
+
 def test_unreadable_cache_names_the_folder_to_delete(tmp_path, fake_gguf, conversions, monkeypatch):
     folder = _converted(tmp_path, fake_gguf)
 

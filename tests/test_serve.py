@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import socket
 import threading
 import time
@@ -29,6 +30,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import selfspec
 from selfspec.serving import create_app
+from selfspec.serving.app import GracefulServer
 from selfspec.testing import tiny_model
 
 MODEL = "tiny-llama"
@@ -111,19 +113,21 @@ def wait_until(condition, what: str, timeout: float = 20.0) -> None:
 
 
 @contextlib.contextmanager
-def serving(model, tokenizer, plan=PLAN, **options):
-    """A uvicorn server on a free port of 127.0.0.1, in a thread; stopped with `should_exit`."""
+def serving(model, tokenizer, plan=PLAN, grace: float = 2.0, **options):
+    """A uvicorn server (`GracefulServer`, as `selfspec serve` runs) on a free port of 127.0.0.1, in a thread;
+    stopped with `should_exit`, or as a signal stops it with `handle.uvicorn.handle_exit`."""
     spec = Gated(selfspec.wrap(model, plan=plan))
     app = create_app(spec, tokenizer, model_name=MODEL, **options)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
+    server = GracefulServer(config, grace=grace)
     thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
     thread.start()
     wait_until(lambda: server.started or not thread.is_alive(), "the server to start")
     assert server.started, "the server did not start"
     handle = Server(app, f"http://127.0.0.1:{sock.getsockname()[1]}", spec.gate)
+    handle.uvicorn, handle.thread = server, thread
     try:
         yield handle
     finally:
@@ -258,6 +262,22 @@ def test_seeded_sampling_reproduces(server):
     first = chat(server, "w30", temperature=0.9, top_p=0.95, seed=1234).choices[0].message.content
     again = chat(server, "w30", temperature=0.9, top_p=0.95, seed=1234).choices[0].message.content
     assert first == again and len(first.split()) > 0
+
+
+def test_sampling_draws_from_the_whole_vocabulary(server, tiny):
+    """OpenAI has no top-k: a seeded sample is `generate`'s with top_k off, not transformers' default top_k=50."""
+    model, tokenizer = tiny
+    ids = chat_ids(tokenizer, "w31 w32")
+    served = chat(server, "w31 w32", temperature=2.0, seed=99, max_tokens=32).choices[0].message.content
+    spec = selfspec.wrap(model, plan=PLAN)
+
+    def sample(**options) -> str:
+        out = spec.generate(ids, max_new_tokens=32, do_sample=True, temperature=2.0, top_p=1.0,
+                            generator=torch.Generator().manual_seed(99), **options)
+        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+    assert sample() != sample(top_k=0)  # the tiny model's 97 tokens: top-50 sampling gives other text
+    assert served == sample(top_k=0)
 
 
 def test_models_and_health(server):
@@ -495,6 +515,8 @@ BAD = [  # (case, endpoint, body (a dict, or raw bytes sent as JSON), status, pa
     ("not an object", "completions", b"[1, 2]", 400, None),
     ("missing model", "chat/completions", {"messages": CHAT["messages"]}, 400, "model"),
     ("missing messages", "chat/completions", {"model": MODEL}, 400, "messages"),
+    ("empty body", "chat/completions", b"", 400, "model"),
+    ("empty object", "completions", {}, 400, "model"),
     ("max_tokens a string", "completions", {**TEXT, "max_tokens": "5"}, 400, "max_tokens"),
     ("max_tokens 0", "completions", {**TEXT, "max_tokens": 0}, 400, "max_tokens"),
     ("temperature a string", "chat/completions", {**CHAT, "temperature": "hot"}, 400, "temperature"),
@@ -539,6 +561,166 @@ def test_bad_inputs_get_4xx_and_the_server_stays_healthy(server, tiny):
     assert server.metric('selfspec_requests_total{outcome="failed"}') == failed_before  # all refused up front
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert chat(server, "w2").choices[0].message.content == reference(tiny, chat_ids(tiny[1], "w2"))
+
+
+@pytest.mark.parametrize("which", ["server", "batched"])
+def test_a_failure_on_the_worker_is_a_logged_500_and_the_server_goes_on(which, request, tiny, caplog):
+    """Not the request's fault (a ValueError from deep in the engine, as NaN weights gave): 500, cause logged."""
+    server = request.getfixturevalue(which)
+    spec = server.scheduler.engine.spec
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise ValueError("cannot convert float NaN to integer")
+
+    failed = server.metric('selfspec_requests_total{outcome="failed"}')
+    if which == "server":
+        spec.generate = broken  # the next request's one generate call
+    else:
+        server.scheduler.engine.join = broken  # the next request's row
+    try:
+        with caplog.at_level("ERROR", logger="selfspec.serving"):
+            response = httpx.post(f"{server.url}/v1/chat/completions", json={**CHAT, "max_tokens": 4}, timeout=30)
+            with httpx.stream("POST", f"{server.url}/v1/completions", timeout=30,
+                              json={**TEXT, "max_tokens": 4, "stream": True}) as stream:
+                events = [e for e in stream.read().decode().split("\n\n") if e]
+    finally:
+        if which == "server":
+            del spec.generate
+        else:
+            del server.scheduler.engine.join
+    assert len(calls) == 2
+    assert response.status_code == 500, response.text
+    error = response.json()["error"]
+    assert error["type"] == "server_error" and "ValueError" in error["message"] and "NaN" not in error["message"]
+    streamed = json.loads(events[-2][len("data: "):])["error"]  # a stream ends with the error, then [DONE]
+    assert streamed["type"] == "server_error" and events[-1] == "data: [DONE]"
+    logged = [r for r in caplog.records if r.name == "selfspec.serving" and r.exc_info]
+    assert len(logged) == 2 and "cannot convert float NaN" in str(logged[0].exc_info[1])
+    assert server.metric('selfspec_requests_total{outcome="failed"}') == failed + 2
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert chat(server, "w2").choices[0].message.content == reference(tiny, chat_ids(tiny[1], "w2"))
+
+
+def test_an_empty_body_names_the_missing_parameters(server):
+    for endpoint, field in (("chat/completions", "messages"), ("completions", "prompt")):
+        for body in (b"", b"{}"):
+            response = httpx.post(f"{server.url}/v1/{endpoint}", content=body,
+                                  headers={"Content-Type": "application/json"})
+            message = response.json()["error"]["message"]
+            assert response.status_code == 400 and "'model'" in message and f"'{field}'" in message, message
+            assert "None" not in message and ("empty" in message) == (body == b"")
+
+
+def test_a_body_over_the_limit_is_413(tiny):
+    with serving(*tiny, max_request_bytes=2000) as server:
+        big = {**CHAT, "messages": [{"role": "user", "content": " ".join(["w1"] * 1000)}]}  # about 3,000 bytes
+        for how in ("content-length", "chunked"):
+            raw = json.dumps(big).encode()
+            content = raw if how == "content-length" else iter([raw[:1000], raw[1000:]])
+            response = httpx.post(f"{server.url}/v1/chat/completions", content=content,
+                                  headers={"Content-Type": "application/json"}, timeout=30)
+            assert response.status_code == 413, (how, response.text)
+            error = response.json()["error"]
+            assert error["code"] == "request_too_large" and "2000 bytes" in error["message"], error
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        assert chat(server, "w2").choices[0].message.content == reference(tiny, chat_ids(tiny[1], "w2"))
+    from selfspec.cli import main
+
+    assert main(["serve", "/no/such/model", "--max-request-bytes", "0"]) == 2  # refused as it is parsed
+
+
+def test_tokenizing_a_long_prompt_holds_up_neither_the_loop_nor_the_worker(server, tiny, monkeypatch):
+    """A prompt being encoded (seconds, for megabytes of text) leaves /health and the running streams alone."""
+    entered, release = threading.Event(), threading.Event()
+    tokenizer_class = type(tiny[1])
+    original = tokenizer_class.apply_chat_template
+
+    def slow(self, messages, *args, **kwargs):
+        if messages[-1]["content"] == "w90 w91":  # this request's prompt takes as long as the test says
+            entered.set()
+            assert release.wait(30), "the test did not release the tokenizer"
+        return original(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer_class, "apply_chat_template", slow)
+    done: dict = {}
+    streaming = threading.Thread(target=lambda: done.setdefault("stream", streamed_chat(server, "w92 w93",
+                                                                                          max_tokens=24)))
+    encoding = threading.Thread(target=lambda: done.setdefault("held", chat(server, "w90 w91")))
+    server.gate.clear()  # the stream runs (held at its first token) before the long prompt arrives
+    try:
+        streaming.start()
+        wait_until(lambda: len(server.scheduler.running) == 1, "the stream to run")
+        encoding.start()
+        assert entered.wait(30)
+        began = time.perf_counter()
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+        assert time.perf_counter() - began < 1.0
+        # The worker decodes (with its own tokenizer) while the requests' copy is held: the stream runs to its end.
+        server.gate.set()
+        streaming.join(timeout=10)
+        assert not streaming.is_alive(), "the stream waited for the long prompt's tokenizing"
+        assert done["stream"][0] == reference(tiny, chat_ids(tiny[1], "w92 w93"), new=24)
+        assert "held" not in done
+    finally:
+        server.gate.set()
+        release.set()
+    encoding.join(timeout=60)
+    streaming.join(timeout=60)
+    assert done["held"].choices[0].message.content == reference(tiny, chat_ids(tiny[1], "w90 w91"))
+
+
+def test_a_signal_gives_running_requests_a_grace_period_then_stops_them(tiny):
+    """SIGTERM/SIGINT: new and waiting requests 503, the running stream stopped after the grace period with an
+    error event and [DONE], and the server exits without waiting for the generation to run out."""
+    with serving(*tiny, grace=0.5) as server:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "w80"}], "max_tokens": 200,
+                "temperature": 0, "stream": True}
+        events: list[str] = []
+        waiting: dict = {}
+        server.gate.clear()  # the worker holds the stream at its first token
+        try:
+            def read_stream():
+                with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=30) as response:
+                    events.extend(e for e in response.read().decode().split("\n\n") if e)
+
+            stream = threading.Thread(target=read_stream)
+            stream.start()
+            wait_until(lambda: len(server.scheduler.running) == 1, "the stream to run")
+            queued = threading.Thread(target=lambda: waiting.setdefault("r", httpx.post(
+                f"{server.url}/v1/completions", json={**TEXT, "max_tokens": 4}, timeout=30)))
+            queued.start()
+            wait_until(lambda: server.scheduler.queue_depth == 1, "the second request to queue")
+            signalled = time.monotonic()
+            server.uvicorn.handle_exit(signal.SIGTERM, None)
+            wait_until(lambda: server.scheduler.draining, "the scheduler to drain")
+            queued.join(timeout=10)
+            assert waiting["r"].status_code == 503 and waiting["r"].json()["error"]["code"] == "shutting_down"
+            try:  # a new request: 503, or no connection once uvicorn has closed its socket
+                chat(server, "w81")
+                pytest.fail("a request after the signal was served")
+            except openai.APIStatusError as refused:
+                assert refused.status_code == 503
+            except openai.APIConnectionError:
+                pass
+            from selfspec.serving.generation import Job
+            from selfspec.serving.scheduler import ShuttingDown
+
+            with pytest.raises(ShuttingDown):
+                server.scheduler.submit(Job(prompt=[5], max_tokens=1, temperature=0, top_p=1, seed=None, stop=[],
+                                            stream=False, sink=lambda event: None))
+            time.sleep(0.6)  # past the grace period: the stream is stopped at its next token
+        finally:
+            server.gate.set()
+        stream.join(timeout=10)
+        server.thread.join(timeout=10)
+        assert not server.thread.is_alive(), "the server did not exit"
+        assert time.monotonic() - signalled < 8
+    assert events[-1] == "data: [DONE]", events
+    error = json.loads(events[-2][len("data: "):])["error"]
+    assert error["code"] == "shutting_down" and error["type"] == "server_error", error
+    assert not any('"finish_reason": "length"' in e for e in events)
 
 
 def test_api_key(tiny):

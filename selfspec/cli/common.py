@@ -120,7 +120,8 @@ def add_runtime_arguments(parser: argparse.ArgumentParser, *, dtype: str | None 
     parser.add_argument("--threads", type=integer(1), default=None,
                         help="torch CPU threads (default: torch's choice; on a busy shared machine 1 is often fastest)")
     parser.add_argument("--verify", action="store_true",
-                        help="check the converted model cache with a full hash before loading it (rebuilt if damaged)")
+                        help="kept for compatibility: every load checks the converted model cache's full hash "
+                             "(rebuilt if damaged)")
     parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None,
                         help="quantize the model's linear layers weight-only after loading (torchao; "
                              "pip install 'selfspec[quant]'); default: no quantization")

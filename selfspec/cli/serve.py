@@ -43,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with every plan feature")
     parser.add_argument("--max-queue", type=common.integer(1), default=64, metavar="N",
                         help="requests that may wait; one more gets HTTP 429 (default: 64)")
+    parser.add_argument("--max-request-bytes", type=common.integer(1), default=4 * 1024 * 1024, metavar="N",
+                        help="a request body over N bytes gets HTTP 413 (default: 4 MiB, far more text than a "
+                             "context holds)")
+    parser.add_argument("--shutdown-grace", type=common.number(0), default=5.0, metavar="SECONDS",
+                        help="on SIGINT or SIGTERM: new requests get HTTP 503, running ones this long to finish, "
+                             "then they are stopped and the server exits (default: 5)")
     parser.add_argument("--api-key", type=common.text, default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on /v1 requests (default: no key)")
     parser.add_argument("--dtype", default="float32", choices=common.DTYPES, help="the model's dtype (default: float32)")
@@ -76,9 +82,13 @@ def run(args: argparse.Namespace) -> int:
           flush=True)
     name = args.model_name or args.model
     app = create_app(spec, tokenizer, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue,
-                     api_key=args.api_key)
+                     api_key=args.api_key, max_request_bytes=args.max_request_bytes)
     how = "one request at a time" if args.max_batch == 1 else f"continuous batching, up to {args.max_batch} requests"
     print(f"selfspec: serving {name} on http://{args.host}:{args.port}/v1 ({how})",
           file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    from ..serving.app import GracefulServer
+
+    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"),
+                            grace=args.shutdown_grace)
+    server.run()
     return 0

@@ -8,7 +8,10 @@
 
 Every error is OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
 a malformed body or a wrong type is 400, an unknown model 404, a missing or
-wrong API key 401, a full queue 429. The work happens on the scheduler's
+wrong API key 401, a body over `max_request_bytes` 413, a full queue 429.
+Requests are checked in full before they are queued: a failure after that is
+the server's, a 500 `server_error` with its cause logged (the server goes
+on). The work happens on the scheduler's
 worker thread; this module only turns requests into `Job`s and events into
 responses (SSE chunks when `stream` is true, ending with `data: [DONE]`).
 """
@@ -18,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -29,12 +34,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import uvicorn
+
 from .generation import Delta, Engine, Failed, Job, Result, Tokenizer
 from .metrics import Metrics
 from .scheduler import QueueFull, Scheduler, ShuttingDown
 
+log = logging.getLogger("selfspec.serving")
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's legacy endpoint
 MAX_STOP_STRINGS = 4
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a request body beyond it gets 413: far more text than a context holds
 DISCONNECT_POLL_SECONDS = 0.25  # how often a waiting non-streaming request checks that its client is still there
 
 
@@ -167,6 +176,54 @@ class APIKeyCheck:
         await self.app(scope, receive, send)
 
 
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is answered 413 before the app reads any of it.
+
+    The body is read here (as the app would read it whole anyway), counting as it arrives, so a body without
+    Content-Length (chunked) is cut off at the limit too; the app then gets it in one message.
+    """
+
+    def __init__(self, app, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            await self.refuse(scope, receive, send)
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            body += message.get("body", b"")
+            if len(body) > self.limit:
+                await self.refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # a disconnect, for whoever listens
+
+        await self.app(scope, replay, send)
+
+    async def refuse(self, scope, receive, send) -> None:
+        response = error_response(413, f"the request body is larger than this server's limit of {self.limit} "
+                                       f"bytes (--max-request-bytes)", code="request_too_large",
+                                  headers={"Connection": "close"})
+        await response(scope, receive, send)
+
+
 class EventStream(StreamingResponse):
     """A streaming response that calls `on_close` however it ends (finished, client gone, server stopping)."""
 
@@ -181,19 +238,46 @@ class EventStream(StreamingResponse):
             self.on_close()
 
 
+DEFAULT_SHUTDOWN_GRACE = 5.0  # seconds running requests get to finish after SIGINT or SIGTERM
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server for an app of `create_app`: on SIGINT or SIGTERM it first drains the app's scheduler
+    (`Scheduler.drain`: new requests 503, running ones `grace` seconds, then stopped), so that uvicorn's wait
+    for open responses ends soon after; a second signal exits at once, as in uvicorn."""
+
+    def __init__(self, config: uvicorn.Config, *, grace: float = DEFAULT_SHUTDOWN_GRACE) -> None:
+        if not grace >= 0:
+            raise ValueError(f"shutdown grace {grace!r} (valid: >= 0 seconds)")
+        if config.timeout_graceful_shutdown is None:  # a backstop, should a response not end
+            config.timeout_graceful_shutdown = int(grace) + 10
+        super().__init__(config)
+        self.grace = grace
+
+    def handle_exit(self, sig, frame) -> None:
+        scheduler = getattr(getattr(self.config.app, "state", None), "scheduler", None)
+        if scheduler is not None:  # not here: a signal handler may have interrupted this thread inside the scheduler
+            threading.Thread(target=scheduler.drain, args=(self.grace,), name="selfspec-drain", daemon=True).start()
+        super().handle_exit(sig, frame)
+
+
 def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
 def create_app(spec, tokenizer, *, model_name: str, max_batch: int = 1, max_queue: int = 64,
-               api_key: str | None = None, engine: Callable[..., Engine] = Engine) -> FastAPI:
+               api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               engine: Callable[..., Engine] = Engine) -> FastAPI:
     """An OpenAI-compatible app serving `spec` (`selfspec.wrap(model)`) under the name `model_name`.
 
     The app owns a `Scheduler` (`app.state.scheduler`) whose worker thread
     starts and stops with the app's lifespan, and its own metrics registry
     (`app.state.metrics`). `engine(spec, tokenizer)` builds what runs the jobs
-    (default `Engine`; a benchmark passes another with its interface).
+    (default `Engine`; a benchmark passes another with its interface). A
+    request body over `max_request_bytes` gets 413.
     """
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes={max_request_bytes} (valid: >= 1)")
     tokens = Tokenizer(tokenizer)
     metrics = Metrics()
     scheduler = Scheduler(engine(spec, tokens), metrics, max_batch=max_batch, max_queue=max_queue)
@@ -214,16 +298,29 @@ def create_app(spec, tokenizer, *, model_name: str, max_batch: int = 1, max_queu
     app = FastAPI(title="selfspec", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.scheduler = scheduler
     app.state.metrics = metrics
-    if api_key:
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
+    if api_key:  # the outer check: a request without the key is refused before its body is read
         app.add_middleware(APIKeyCheck, key=api_key)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
         return error_response(error.status, error.message, type=error.type, param=error.param, code=error.code)
 
+    bodies = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, error: RequestValidationError):
         errors = error.errors()
+        required = [name for name, field in bodies[request.url.path].model_fields.items() if field.is_required()] \
+            if request.url.path in bodies else []
+        if any(e.get("type") == "missing" and tuple(e.get("loc", ())) == ("body",) for e in errors) and required:
+            names = ", ".join(f"'{name}'" for name in required)
+            return error_response(400, f"the request body is empty: missing required parameters {names} "
+                                       f"(send a JSON object, Content-Type: application/json)", param=required[0])
+        missing = [validation_message(e)[1] for e in errors if e.get("type") == "missing"]
+        if len(missing) > 1 and len(missing) == len(errors):
+            names = ", ".join(f"'{name}'" for name in missing)
+            return error_response(400, f"missing required parameters: {names}", param=missing[0])
         message, param = validation_message(errors[0]) if errors else ("invalid request", None)
         if len(errors) > 1:
             message += f" (and {len(errors) - 1} more)"
@@ -236,7 +333,9 @@ def create_app(spec, tokenizer, *, model_name: str, max_batch: int = 1, max_queu
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, error: Exception):
-        return error_response(500, f"internal error: {type(error).__name__}", type="server_error")
+        log.error("%s %s failed", request.method, request.url.path, exc_info=error)
+        return error_response(500, f"internal error ({type(error).__name__}); the cause is in the server's log",
+                              type="server_error")
 
     # ------------------------------------------------------------------ checks and jobs
 
@@ -291,11 +390,12 @@ def create_app(spec, tokenizer, *, model_name: str, max_batch: int = 1, max_queu
             raise APIError(503, str(error), type="server_error", code="shutting_down") from None
 
     def failure(error: BaseException) -> APIError:
+        """The answer to a job that failed on the worker (which logged the cause). The request was checked in full
+        before it was queued, so what fails there is the server's fault, whatever the exception's type."""
         if isinstance(error, ShuttingDown):
             return APIError(503, str(error), type="server_error", code="shutting_down")
-        if isinstance(error, ValueError):  # the engine refused the request's values
-            return APIError(400, " ".join(str(error).split()))
-        return APIError(500, f"generation failed: {type(error).__name__}", type="server_error")
+        return APIError(500, f"generation failed ({type(error).__name__}); the cause is in the server's log",
+                        type="server_error")
 
     def stats(result: Result) -> dict:
         return {
@@ -386,7 +486,7 @@ def create_app(spec, tokenizer, *, model_name: str, max_batch: int = 1, max_queu
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions",
                            param="messages")
         try:
-            prompt = tokens.encode_chat([m.for_template() for m in body.messages])
+            prompt = await asyncio.to_thread(tokens.encode_chat, [m.for_template() for m in body.messages])
         except Exception as error:  # the template's own checks (roles must alternate, ...)
             raise APIError(400, f"the chat template refused these messages: {error}", param="messages") from None
         events, sink = events_queue()
@@ -404,7 +504,7 @@ def create_app(spec, tokenizer, *, model_name: str, max_batch: int = 1, max_queu
                                param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = tokens.encode_text(prompt)
+            ids = await asyncio.to_thread(tokens.encode_text, prompt)  # seconds for a long text: not on the loop
         else:
             ids = list(prompt)
             bad = next((t for t in ids if not 0 <= t < vocab_size), None)

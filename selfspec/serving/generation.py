@@ -17,6 +17,7 @@ serving work:
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,25 +28,28 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 
 class Tokenizer:
-    """The model's tokenizer behind a lock: the HTTP thread encodes while the worker decodes."""
+    """The model's tokenizer, two copies each behind its own lock: the HTTP side encodes (in a thread of its own)
+    while the worker decodes, so a long prompt being encoded never holds up the worker's streams."""
 
     def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # the worker's: decode
         self.lock = threading.Lock()
+        self.encoder = copy.deepcopy(tokenizer)  # the requests': encode_chat, encode_text
+        self.encode_lock = threading.Lock()
 
     @property
     def has_chat_template(self) -> bool:
         return getattr(self.tokenizer, "chat_template", None) is not None
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        with self.lock:
-            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                         return_dict=True)
+        with self.encode_lock:
+            encoded = self.encoder.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=True)
         return list(encoded["input_ids"])
 
     def encode_text(self, text: str) -> list[int]:
-        with self.lock:
-            return list(self.tokenizer(text)["input_ids"])
+        with self.encode_lock:
+            return list(self.encoder(text)["input_ids"])
 
     def decode(self, ids: list[int]) -> str:
         with self.lock:
@@ -99,6 +103,7 @@ class Job:
     first_token_at: float | None = None
     finished_at: float | None = None
     outcome: str | None = None  # how it ended, as counted: "completed", "cancelled" or "failed"
+    cut_off: bool = False  # stopped because the server is shutting down (its grace period ran out)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -210,12 +215,16 @@ class Engine:
         return self.spec.memory(context=context).kv_cache_bytes
 
     def options(self, job: Job) -> dict:
-        """`generate` options of a job: its length, and greedy or sampling with its seed."""
+        """`generate` options of a job: its length, and greedy or sampling with its seed.
+
+        OpenAI's API has no top-k: sampling draws from the whole vocabulary (after `top_p`), so `top_k=0`
+        overrides transformers' default of 50 and any `top_k` in the model's generation config.
+        """
         options: dict = dict(max_new_tokens=job.max_tokens)
         if job.temperature == 0 or job.top_p == 0:
             options["do_sample"] = False
         else:
-            options.update(do_sample=True, temperature=job.temperature, top_p=job.top_p)
+            options.update(do_sample=True, temperature=job.temperature, top_p=job.top_p, top_k=0)
             if job.seed is not None:
                 options["generator"] = torch.Generator(device=self.device).manual_seed(job.seed)
         return options
@@ -225,8 +234,11 @@ class Engine:
         criteria = JobCriteria(job, self.tokenizer)
         streamer = JobStreamer(job, self.tokenizer, criteria)
         input_ids = torch.tensor([job.prompt], dtype=torch.long, device=self.device)
-        output = self.spec.generate(input_ids, stopping_criteria=StoppingCriteriaList([criteria]),
-                                    streamer=streamer, **self.options(job))
+        # Every prompt token is text the client sent, the pad id included (transformers hides it when no mask is
+        # given and the pad id is not an EOS id); a batch row (`join`) attends to every token too.
+        output = self.spec.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                    stopping_criteria=StoppingCriteriaList([criteria]), streamer=streamer,
+                                    **self.options(job))
         return self.result(job, output[0, len(job.prompt):].tolist(), self.spec.last_stats, streamer)
 
     def session(self, max_rows: int):

@@ -16,7 +16,8 @@ answers with 429). One worker thread owns the model.
 
 A cancelled request (its client went away) leaves the queue at once; a
 running one stops at its next token (`generation.JobCriteria`), and its row
-leaves the batch.
+leaves the batch. On a signal (`drain`), new and waiting requests get 503
+and the running ones a grace period, after which they are stopped the same way.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class Scheduler:
         self.running: list[Job] = []  # the batch the worker holds: the running request and those after it
         self.condition = threading.Condition()
         self.stopping = False
+        self.draining = False  # a signal came: no new requests; the running ones have a grace period
+        self.cut_off_timer: threading.Timer | None = None
         self.worker: threading.Thread | None = None
 
     # ------------------------------------------------------------------ the HTTP side
@@ -59,8 +62,41 @@ class Scheduler:
         self.worker = threading.Thread(target=self._work, name="selfspec-worker", daemon=True)
         self.worker.start()
 
+    def drain(self, grace: float) -> None:
+        """The server is asked to stop (a signal): refuse new requests and fail the waiting ones (503), let the
+        running ones go on for `grace` seconds, then stop them at their next token (each gets a 503, or a
+        stream an error event then `[DONE]`). Once they have ended, the server can exit."""
+        with self.condition:
+            if self.draining or self.stopping:
+                return
+            self.draining = True
+            waiting = list(self.queue)
+            self.queue.clear()
+            self.metrics.queue_depth.set(0)
+            running = len(self.running)
+        if waiting or running:
+            log.info("shutting down: %d running request(s) get %g s to finish; %d waiting refused", running, grace,
+                     len(waiting))
+        for job in waiting:
+            job.cancel()
+            self._count(job, "cancelled")
+            job.send(Failed(ShuttingDown("the server is shutting down")))
+        self.cut_off_timer = threading.Timer(grace, self._cut_off)
+        self.cut_off_timer.daemon = True
+        self.cut_off_timer.start()
+
+    def _cut_off(self) -> None:
+        with self.condition:
+            for job in self.running:
+                if job.outcome is None:
+                    log.info("shutting down: stopping a running request after the grace period")
+                    job.cut_off = True
+                    job.cancel()
+
     def stop(self, timeout: float = 10.0) -> None:
         """Refuse new requests, cancel the waiting and running ones, and wait for the worker to end."""
+        if self.cut_off_timer is not None:
+            self.cut_off_timer.cancel()
         with self.condition:
             self.stopping = True
             waiting = list(self.queue)
@@ -78,7 +114,7 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         """Queue `job`; raises QueueFull (nothing queued) when `max_queue` requests are waiting."""
         with self.condition:
-            if self.stopping:
+            if self.stopping or self.draining:
                 raise ShuttingDown("the server is shutting down")
             if len(self.queue) >= self.max_queue:
                 self.metrics.rejected.labels("queue_full").inc()
@@ -203,8 +239,7 @@ class Scheduler:
         self._answer(job, result)
 
     def _fail(self, job: Job, error: BaseException) -> None:
-        if not isinstance(error, ValueError):
-            log.exception("generation failed", exc_info=error)
+        log.error("generation failed", exc_info=error)  # the client gets a 500 naming the exception's type only
         self._count(job, "failed")
         job.send(Failed(error))
 
@@ -224,6 +259,11 @@ class Scheduler:
             if result.completion_tokens > 1 and job.finished_at is not None:
                 per_token = (job.finished_at - job.first_token_at) / (result.completion_tokens - 1)
                 metrics.time_per_output_token.observe(per_token)
+        if job.cut_off:  # the shutdown stopped it: the client learns why (a stream keeps what it was sent)
+            self._count(job, "cancelled")
+            job.send(Failed(ShuttingDown(f"the server is shutting down: this generation was stopped after "
+                                         f"{result.completion_tokens} tokens")))
+            return
         self._count(job, "cancelled" if result.cancelled else "completed")
         job.send(result)
 
