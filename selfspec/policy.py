@@ -32,8 +32,12 @@ and their recording, pausing them when they do not.
 
 `AdaptivePolicy` (`policy="fixed"`) drafts what the plan says: k tokens, or
 with `adaptive=True` Draft & Verify's confidence threshold with an off switch.
-It is the baseline the cost policy is compared with, and what the tuner
-replays.
+It is the baseline the cost policy is compared with.
+
+Both satisfy `DraftPolicy`, the one contract the rounds use (`draft.py`,
+`static_loop.py`, the engine's loop, the tuner's replay); `policy_for` builds
+the one a plan names. `LayerChoosingPolicy` adds what an auto plan's layer
+choice asks (`auto_layers.py`); only the cost policy has it.
 
 This module does not run layers or read the cache: it sees counts, confidences and times.
 """
@@ -43,7 +47,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from .costs import RuntimeCosts, moving_average
 from .draft import Draft
@@ -51,6 +55,78 @@ from .plan import DraftPlan
 
 if TYPE_CHECKING:
     from .recycle import SuccessorTable
+
+
+
+@runtime_checkable
+class DraftPolicy(Protocol):
+    """What a round asks of its draft-length policy: every member the rounds read, and no other.
+
+    `round_budget`: the tokens this round may draft (set by `begin_round`);
+    `wants_confidence`: whether drafting reads the draft's top probability;
+    `recycling`: whether this round records successors and may draft
+    recycled nodes; `threshold`: the confidence threshold in force (None:
+    none); `costs`: the cost table it prices rounds with (None: it prices
+    nothing), which the engine saves and reports.
+    """
+
+    round_budget: int
+    wants_confidence: bool
+    recycling: bool
+    threshold: float | None
+    costs: RuntimeCosts | None
+
+    def begin_round(self, budget: int, *, context: int | None = None) -> None: ...
+
+    def draft_next(self, drafted: int, confidence: float | None) -> bool: ...
+
+    def planned_length(self) -> int: ...
+
+    def ngram_length(self, match_length: int, available: int) -> int: ...
+
+    def ngram_reach(self, match_length: int, length: int) -> list[float]: ...
+
+    def tree_nodes(self, chain: int, max_nodes: int, *, exact_prefix: int = 0) -> int: ...
+
+    def recycled_nodes(self, values: Sequence[float], depths: Sequence[int], *, base_nodes: int,
+                       base_expected: float, layers: bool) -> int: ...
+
+    def observe(self, draft: Draft, accepted: int, *, draft_seconds: float, verify_seconds: float, width: int,
+                emitted: int | None = None) -> None: ...
+
+    def observe_unverified(self, match_length: int, first: int, outcomes: Sequence[bool]) -> None: ...
+
+    def observe_recycled(self, *, depths: Sequence[int], values: Sequence[float], kept: Sequence[bool]) -> None: ...
+
+    def count_recording(self, successors: SuccessorTable | None) -> None: ...
+
+    def describe(self) -> str: ...
+
+
+@runtime_checkable
+class LayerChoosingPolicy(DraftPolicy, Protocol):
+    """A `DraftPolicy` that also prices layer sets, for an auto plan's per-context choice (`auto_layers.py`)."""
+
+    def plain_rate(self) -> float: ...
+
+    def layer_rate(self, key: object, *, exact_prefix: int, draft_scale: float) -> float: ...
+
+    def layer_set_tried(self, key: object) -> bool: ...
+
+    def use_layers(self, key: object, *, exact_prefix: int, draft_scale: float) -> None: ...
+
+
+def policy_for(plan: DraftPlan, costs: RuntimeCosts | None = None, *, exact_prefix: int = 0,
+               off_switch: bool = True) -> DraftPolicy:
+    """The policy that runs `plan`: `AdaptivePolicy` for `policy="fixed"` (and plain decoding), else a
+    `CostPolicy` pricing rounds with `costs`; `exact_prefix`: the layers a verify pass resumes after;
+    `off_switch`: the fixed policy's timed pause (off when sampling)."""
+    if plan.policy == "fixed" or not plan.drafts:
+        return AdaptivePolicy(plan, off_switch=off_switch)
+    if costs is None:
+        raise ValueError("a plan with policy='cost' prices its rounds: give the cost table (`RuntimeCosts`) to decide by")
+    return CostPolicy(plan, costs, exact_prefix=exact_prefix)
+
 
 CONFIDENCE_BINS = 10
 POSITION_BUCKETS = 4  # draft positions 1, 2, 3, 4+
@@ -422,6 +498,7 @@ class CostPolicy:
     """Each round drafts the length that maximises expected tokens per second (see the module docstring)."""
 
     wants_confidence = True
+    threshold = None  # no confidence threshold: each token's confidence feeds the expected rate
 
     def __init__(self, plan: DraftPlan, costs: RuntimeCosts, *, exact_prefix: int = 0) -> None:
         self.max_length = plan.draft_length
@@ -640,6 +717,7 @@ class AdaptivePolicy:
         self.paused = 0  # rounds left without drafting
         self.backoff = 4
         self.round_budget = self.layer_budget = self.draft_length
+        self.costs: RuntimeCosts | None = None  # it prices nothing: the plan says what to draft
 
     @property
     def threshold(self) -> float | None:
@@ -676,7 +754,7 @@ class AdaptivePolicy:
     def observe_recycled(self, *, depths: Sequence[int], values: Sequence[float], kept: Sequence[bool]) -> None:
         pass  # the fixed policy does not size trees
 
-    def count_recording(self, successors) -> None:
+    def count_recording(self, successors: SuccessorTable | None) -> None:
         pass  # ... and recycles every round
 
     recycling = True
