@@ -2,37 +2,11 @@
 
 `CostPolicy` (a plan's `policy="cost"`, the default) drafts the length k, 0
 allowed, that maximises the round's expected emitted tokens over its
-expected time:
-
-    E[tokens | k] / (draft time(k) + verify time(k + 1))
-
-The times come from the measured cost table (`costs.RuntimeCosts`). Expected
-tokens come from acceptance learned online (`AcceptanceEstimates`), per
-source: for layer drafts by the token's position in the round and the
-draft's confidence in it (its top probability); for n-gram proposals by the
-length of the match that found them (how far back the copy's context
-agrees, `ngram.matched_length`: 1, 2, 3, 4, 5-7, 8-15, 16+) and the token's
-position in the proposal (a copy that starts right tends to go on right).
-A layer draft is decided one token at a time: after each drafted token its
-confidence is known, and drafting goes on only while some longer draft
-still beats stopping now. An n-gram proposal is cut to its best length,
-and when that is 0 the layers get their turn. The
-tokens the target then emits also judge the proposal's tokens no verify pass
-saw (`Drafter.judge_offer`), so a copy cut to nothing still teaches its
-estimate: greedy, a token is accepted exactly when it is the one emitted;
-sampling, the emitted token is the proposed one with the chance the proposal
-would have been accepted. Every
-choice uses only what is known before the verify pass (draft tokens and
-confidences, past rounds), so sampling keeps its exact distribution.
-
-Recycled nodes (`recycle.py`) are sized the same way, by their recorded
-probabilities scaled per tree depth (`DepthCalibration`), and a
-`RecycleLedger` checks from outcomes that they pay for their wider passes
-and their recording, pausing them when they do not.
-
+expected time, from the measured cost table (`costs.RuntimeCosts`) and
+acceptance learned online per draft source (its docstring says how).
 `AdaptivePolicy` (`policy="fixed"`) drafts what the plan says: k tokens, or
-with `adaptive=True` Draft & Verify's confidence threshold with an off switch.
-It is the baseline the cost policy is compared with.
+with `adaptive=True` Draft & Verify's confidence threshold with an off
+switch. It is the baseline the cost policy is compared with.
 
 Both satisfy `DraftPolicy`, the one contract the rounds use (`draft.py`,
 `static_loop.py`, the engine's loop, the tuner's replay); `policy_for` builds
@@ -370,7 +344,7 @@ class RecycleLedger:
 
 @dataclass
 class AcceptanceEstimates:
-    """Per-token acceptance learned online, per draft source (see the module docstring)."""
+    """Per-token acceptance learned online, per draft source (see `CostPolicy`)."""
 
     prior: float
     positions: list[Rate] = field(default_factory=lambda: [Rate() for _ in range(POSITION_BUCKETS)])
@@ -495,7 +469,38 @@ def _bin(confidence: float) -> int:
 
 
 class CostPolicy:
-    """Each round drafts the length that maximises expected tokens per second (see the module docstring)."""
+    """Each round drafts the length that maximises expected tokens per second.
+
+    A plan's `policy="cost"` (the default) drafts the length k, 0
+    allowed, that maximises the round's expected emitted tokens over its
+    expected time:
+
+        E[tokens | k] / (draft time(k) + verify time(k + 1))
+
+    The times come from the measured cost table (`costs.RuntimeCosts`). Expected
+    tokens come from acceptance learned online (`AcceptanceEstimates`), per
+    source: for layer drafts by the token's position in the round and the
+    draft's confidence in it (its top probability); for n-gram proposals by the
+    length of the match that found them (how far back the copy's context
+    agrees, `ngram.matched_length`: 1, 2, 3, 4, 5-7, 8-15, 16+) and the token's
+    position in the proposal (a copy that starts right tends to go on right).
+    A layer draft is decided one token at a time: after each drafted token its
+    confidence is known, and drafting goes on only while some longer draft
+    still beats stopping now. An n-gram proposal is cut to its best length,
+    and when that is 0 the layers get their turn. The
+    tokens the target then emits also judge the proposal's tokens no verify pass
+    saw (`Drafter.judge_offer`), so a copy cut to nothing still teaches its
+    estimate: greedy, a token is accepted exactly when it is the one emitted;
+    sampling, the emitted token is the proposed one with the chance the proposal
+    would have been accepted. Every
+    choice uses only what is known before the verify pass (draft tokens and
+    confidences, past rounds), so sampling keeps its exact distribution.
+
+    Recycled nodes (`recycle.py`) are sized the same way, by their recorded
+    probabilities scaled per tree depth (`DepthCalibration`), and a
+    `RecycleLedger` checks from outcomes that they pay for their wider passes
+    and their recording, pausing them when they do not.
+    """
 
     wants_confidence = True
     threshold = None  # no confidence threshold: each token's confidence feeds the expected rate
