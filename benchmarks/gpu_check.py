@@ -72,7 +72,7 @@ def plans(folder: Path, model) -> list[selfspec.DraftPlan]:
     vocab = str(make_vocab(model, folder / f"vocab-{id(model)}"))
     return [
         selfspec.DraftPlan(exit_layer=2, draft_length=4),
-        selfspec.DraftPlan(layers=[0, 1, 3, 5], draft_length=6, adaptive=True, threshold=0.3),
+        selfspec.DraftPlan(layers=[0, 1, 3, 5], draft_length=6, adaptive=True, threshold=0.3, policy="fixed"),
         selfspec.DraftPlan(exit_layer=2, head=head, draft_length=3),
         selfspec.DraftPlan(exit_layer=2, head=head, draft_vocab=vocab, draft_vocab_size=20, draft_length=4, ngram=2),
         selfspec.DraftPlan(layers=[0, 2, 4], draft_vocab=vocab, draft_vocab_size=10, draft_length=5),

@@ -44,6 +44,9 @@ import torch
 
 import selfspec
 from selfspec import DraftPlan
+from selfspec.plan import ignored_fields
+
+TARGET_ACCEPTANCE = next(f.default for f in dataclasses.fields(DraftPlan) if f.name == "target_acceptance")
 
 BASELINE = "hf-greedy"
 ALL_METHODS = (
@@ -241,12 +244,21 @@ def build_method(
         return selfspec_method(name, f"selfspec, plan {plan.name or '(unnamed)'}, policy {plan.policy}, step={step}",
                                model, plan, max_new_tokens=max_new_tokens, costs=costs, step=step)
     if name in ("selfspec-plan", "selfspec-fixed"):
-        variant = plan if name == "selfspec-plan" else dataclasses.replace(plan, policy="fixed")
+        variant = plan if name == "selfspec-plan" else fixed_rule(plan)
         return selfspec_method(
             name, f"selfspec, plan {variant.name or '(unnamed)'}, policy {variant.policy}", model, variant,
             max_new_tokens=max_new_tokens, costs=costs,
         )
     raise ValueError(f"unknown method {name!r}; valid: {', '.join(ALL_METHODS)}")
+
+
+def fixed_rule(plan: DraftPlan) -> DraftPlan:
+    """`plan` with `policy="fixed"`; a cost plan's prior (`target_acceptance`) goes back to its default where the
+    fixed rule does not read it (a plan may not carry a field its policy ignores)."""
+    fixed = dataclasses.replace(plan, policy="fixed", target_acceptance=TARGET_ACCEPTANCE)
+    if "target_acceptance" in ignored_fields(fixed):
+        return fixed
+    return dataclasses.replace(fixed, target_acceptance=plan.target_acceptance)
 
 
 def default_methods(plan: DraftPlan | None, device: str = "cpu") -> list[str]:

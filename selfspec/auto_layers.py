@@ -19,12 +19,17 @@ accept.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .draft import Drafter
 from .memory import parameter_bytes
 from .passes import TargetPasses
 from .plan import auto_reference_layers
+
+if TYPE_CHECKING:
+    from .policy import LayerChoosingPolicy
 
 BUDGET_FRACTIONS = (0.5, 0.67, 0.83)  # candidate layer budgets, as fractions of the layer count (and N - 1)
 PROBE_EVERY = 4  # rounds between verify passes that report layer changes
@@ -162,7 +167,7 @@ class AutoLayers:
     def weight(self, layers: tuple[int, ...]) -> float:
         return sum(self.layer_weights[i] for i in layers) + self.head_weight
 
-    def before_round(self, policy) -> None:
+    def before_round(self, policy: LayerChoosingPolicy) -> None:
         """At the top of a round: every few rounds re-pick the set, and say whether this round's verify pass
         reports layer changes (only while some set would draft: otherwise the ranking would go unused)."""
         if self.rounds % (CHOOSE_EVERY if self.drafting else CHOOSE_EVERY_IDLE) == 0:
@@ -171,7 +176,7 @@ class AutoLayers:
         self.passes.probe = self.influence if probe else None
         self.rounds += 1
 
-    def choose(self, policy) -> None:
+    def choose(self, policy: LayerChoosingPolicy) -> None:
         ranking = self.influence.ranking()
         best, best_rate, explore = None, -1.0, None
         plain = policy.plain_rate()
@@ -191,7 +196,7 @@ class AutoLayers:
         """A drafted token's cost with `layers`, relative to the reference set the cost table timed."""
         return self.weight(layers) / self.reference
 
-    def use(self, layers: tuple[int, ...], policy) -> None:
+    def use(self, layers: tuple[int, ...], policy: LayerChoosingPolicy) -> None:
         self.drafter.set_layers(layers)
         self.passes.exact_prefix = self.drafter.exact_prefix
         policy.use_layers(len(layers), exact_prefix=self.drafter.exact_prefix, draft_scale=self.scale(layers))

@@ -89,7 +89,7 @@ class Drafter:
                 successors: SuccessorTable | None = None) -> Draft:
         """Draft after `tokens` as far as `policy` says; the last of `tokens` is not in the cache yet.
 
-        `policy` (`policy.py`) has had `begin_round(budget)` called. An n-gram
+        `policy` (`policy.DraftPolicy`) has had `begin_round(budget)` called. An n-gram
         match, when the plan looks for one, comes first: it is free, and the
         policy says how much of it to verify; when that is nothing, the layers
         may draft. With the plan's `tree`, an n-gram proposal may be a tree of

@@ -52,7 +52,7 @@ from .output import Clock, Output
 from .parts import ModelParts, text_config
 from .passes import TargetPasses
 from .plan import DraftPlan
-from .policy import AcceptanceEstimates, AdaptivePolicy, CostPolicy, DepthCalibration, RecycleLedger
+from .policy import AcceptanceEstimates, DepthCalibration, DraftPolicy, LayerChoosingPolicy, RecycleLedger, policy_for
 from .quant import describe_quantization
 from .recycle import SuccessorTable, chain_contexts, tree_contexts
 from .registry import adapter_for
@@ -365,16 +365,16 @@ class SelfSpecModel:
         """The context every pass of this model runs in: the linear and attention kernels chosen here."""
         return cpu_kernels(linear=self.linear_kernels(), attention=self.attention_kernels())
 
-    def _policy(self, settings: GenerationSettings) -> CostPolicy | AdaptivePolicy:
+    def _policy(self, settings: GenerationSettings) -> DraftPolicy:
         if self.plan.policy == "fixed" or not self.plan.drafts:
-            return AdaptivePolicy(self.plan, off_switch=not settings.do_sample)
+            return policy_for(self.plan, off_switch=not settings.do_sample)
         # A seed must reproduce a sample: when sampling, decide from the table and the tokens alone, never from
         # timing noise (greedy output is the same whatever is drafted, so greedy runs learn from every round).
         if self.injected_costs is None and not settings.do_sample:
             runtime = self._runtime_costs()
         else:
             runtime = RuntimeCosts(self.costs, learn=False)
-        policy = CostPolicy(self.plan, runtime, exact_prefix=self.drafter.exact_prefix)
+        policy = policy_for(self.plan, runtime, exact_prefix=self.drafter.exact_prefix)
         if not settings.do_sample:  # a sample's drafts depend on its seed and the prompt alone
             if self.learned is None:
                 self.learned = (policy.acceptance, policy.recycled, policy.ledger)
@@ -552,7 +552,7 @@ class SelfSpecModel:
         runner = self._runner(capacity)
         runner.weights_read = 0  # a kept (graphed) runner counted the generations before
         auto = None
-        if self.plan.auto and isinstance(policy, CostPolicy):  # the prefill reports every layer's change to it
+        if self.plan.auto and isinstance(policy, LayerChoosingPolicy):  # the prefill reports every layer's change to it
             weights, head = self.layer_weights
             auto = AutoLayers(self.drafter, self.passes, layer_weights=weights, head_weight=head,
                               device=self.parts.device, probe_verify=not isinstance(runner, GraphedRunner))
@@ -591,11 +591,11 @@ class SelfSpecModel:
         stats.total_seconds = clock.total()
         plain_step = sum(runner.layer_bytes[: self.parts.num_layers]) + runner.head_bytes  # every layer, the head
         stats.steps_read = runner.weights_read / plain_step
-        if isinstance(policy, CostPolicy) and policy.costs.learn:  # the next process starts from what was learned
+        if policy.costs is not None and policy.costs.learn:  # the next process starts from what was learned
             self._save_refined(policy.costs)
         stats.policy = policy.describe()
-        stats.final_threshold = policy.threshold if isinstance(policy, AdaptivePolicy) else None
-        if isinstance(policy, CostPolicy):
+        stats.final_threshold = policy.threshold
+        if policy.costs is not None:
             stats.costs = policy.costs.table.summary()
         return out.tokens, stats
 

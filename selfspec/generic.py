@@ -28,7 +28,7 @@ from .draft import Drafter
 from .parts import text_config
 from .passes import TargetPasses
 from .plan import DraftPlan
-from .policy import AdaptivePolicy
+from .policy import policy_for
 from .runner import LayerRunner
 
 GENERIC = Adapter(
@@ -40,7 +40,7 @@ GENERIC = Adapter(
     lm_head="lm_head",
     rotary="model.rotary_emb",
     layer_call="decoder_layer",
-    default_plan={"exit_fraction": 0.5, "draft_length": 6, "adaptive": True, "threshold": 0.4},
+    default_plan={"exit_fraction": 0.5, "draft_length": 6},
     source="selfspec/generic.py",
 )
 
@@ -115,7 +115,7 @@ def _self_check(model: nn.Module, adapter: Adapter) -> SelfCheck:
     prefill = runner.logits(runner.run(runner.embed(prompt, 0), range(num_layers), 0))  # [P, vocab]
     tokens = prompt + [int(prefill[-1].argmax())]
     start = len(tokens) - 1
-    policy = AdaptivePolicy(plan)  # fixed k: the check must draft
+    policy = policy_for(plan)  # fixed k: the check must draft
     policy.begin_round(k)
     draft = drafter.propose(runner, _Greedy(), tokens, policy)
     # The verify pass, as the engine runs it: it resumes after layer 0 from the draft's saved states.

@@ -5,51 +5,11 @@ loaded back. It knows nothing about a particular model until `draft_layers`
 checks it against a layer count; the engine calls that once, at `wrap` time,
 so a bad plan fails before any generation starts.
 
-Three ways to name the draft's layers (give at most one):
-
-- `exit_layer=E`: early exit, the draft runs layers 0..E-1, then the final norm
-  and the LM head;
-- `layers=[...]`: the draft runs these layers, in increasing order;
-- `auto=True` (`DraftPlan.auto_plan()`, `wrap(model, plan="auto")`): the layers are
-  chosen per context while generating (`auto_layers.py`), with no offline
-  tuning; it needs `policy="cost"` (the choice weighs acceptance against cost).
-
-The draft-length policy: at most `draft_length` tokens per round (k_max).
-`policy="cost"` (the default) drafts, each round, the length 0..k_max that
-maximises expected tokens per second on this machine: measured pass costs
-and acceptance learned online (`policy.py`, `costs.py`); `target_acceptance`
-is its prior acceptance. `policy="fixed"` drafts what the plan says: k_max
-tokens, or with `adaptive=True` until a token whose draft probability is under
-a confidence threshold; the threshold starts at `threshold` and moves by
-`threshold_step` after each round so that the observed acceptance rate tracks
-`target_acceptance` (the rule of Draft & Verify, Zhang et al. 2023).
-
-`ngram=N` adds n-gram proposals (prompt lookup): when the last n <= N tokens
-occurred earlier in the sequence, the draft is what followed them, at no model
-cost; otherwise the plan's layers draft. With `ngram` set, the layers may be
-left out (then a round without a match is a plain step).
-
-`tree=N` lets a round verify a token tree of up to N nodes instead of a chain
-(`tree.py`): several n-gram continuations, or a layer draft grown level by
-level over its likeliest nodes, so that it branches where the draft is
-unsure (the eager step). The cost policy adds branches only while the wider
-pass costs about what the chain's does. `recycle=True` (with `tree`) also
-grows trees from the target's own past predictions (`recycle.py`, Token
-Recycling): a free draft, sized by the cost policy, tried after an n-gram
-match and before the layers (the eager step).
-
-Two optional artifacts make the layer draft better or cheaper (each a path
-to a manifest, resolved against the plan file's folder when loaded from one):
-
-- `head=PATH`: a trained exit head (`head.py`, `selfspec train-head`) run after
-  layer E-1; it needs `exit_layer=E`, the exit it was trained for;
-- `draft_vocab=PATH`, `draft_vocab_size=K`: the draft scores only the K most
-  frequent tokens of a counted vocabulary (`vocab.py`; K=0: every counted
-  token). The target still verifies over the full vocabulary.
-
-`draft_length=0` turns drafting off: the engine then runs its own plain path,
-one full forward pass per token, which is the baseline every plan is measured
-against.
+Every field is read by the draft or by the draft-length policy the plan
+names (`policy.py`); a plan that sets a field its policy ignores is refused
+(`ignored_fields`), so a plan never carries a setting that does nothing.
+What each field means is in `DraftPlan`'s docstring. This module does not
+run a model or decide draft lengths.
 """
 
 from __future__ import annotations
@@ -71,7 +31,57 @@ POLICIES = ("cost", "fixed")  # see `policy.py`
 
 @dataclass(frozen=True)
 class DraftPlan:
-    """Which layers the draft runs, and the draft-length policy."""
+    """Which layers the draft runs, and the draft-length policy.
+
+    Three ways to name the draft's layers (give at most one):
+
+    - `exit_layer=E`: early exit, the draft runs layers 0..E-1, then the final norm
+      and the LM head;
+    - `layers=[...]`: the draft runs these layers, in increasing order;
+    - `auto=True` (`DraftPlan.auto_plan()`, `wrap(model, plan="auto")`): the layers are
+      chosen per context while generating (`auto_layers.py`), with no offline
+      tuning; it needs `policy="cost"` (the choice weighs acceptance against cost).
+
+    The draft-length policy: at most `draft_length` tokens per round (k_max).
+    `policy="cost"` (the default) drafts, each round, the length 0..k_max that
+    maximises expected tokens per second on this machine: measured pass costs
+    and acceptance learned online (`policy.py`, `costs.py`); `target_acceptance`
+    is its prior acceptance, and it reads no other policy field. `policy="fixed"`
+    drafts what the plan says: k_max tokens, or with `adaptive=True` until a
+    token whose draft probability is under a confidence threshold; the threshold
+    starts at `threshold` and moves by `threshold_step` after each round so that
+    the observed acceptance rate tracks `target_acceptance` (the rule of Draft &
+    Verify, Zhang et al. 2023). A field the named policy ignores must keep its
+    default (`ignored_fields`): a value equal to the default is accepted, so plan
+    files saved with every field still load, and `to_dict` leaves such fields out.
+
+    `ngram=N` adds n-gram proposals (prompt lookup): when the last n <= N tokens
+    occurred earlier in the sequence, the draft is what followed them, at no model
+    cost; otherwise the plan's layers draft. With `ngram` set, the layers may be
+    left out (then a round without a match is a plain step).
+
+    `tree=N` lets a round verify a token tree of up to N nodes instead of a chain
+    (`tree.py`): several n-gram continuations, or a layer draft grown level by
+    level over its likeliest nodes, so that it branches where the draft is
+    unsure (the eager step). The cost policy adds branches only while the wider
+    pass costs about what the chain's does. `recycle=True` (with `tree`) also
+    grows trees from the target's own past predictions (`recycle.py`, Token
+    Recycling): a free draft, sized by the cost policy, tried after an n-gram
+    match and before the layers (the eager step).
+
+    Two optional artifacts make the layer draft better or cheaper (each a path
+    to a manifest, resolved against the plan file's folder when loaded from one):
+
+    - `head=PATH`: a trained exit head (`head.py`, `selfspec train-head`) run after
+      layer E-1; it needs `exit_layer=E`, the exit it was trained for;
+    - `draft_vocab=PATH`, `draft_vocab_size=K`: the draft scores only the K most
+      frequent tokens of a counted vocabulary (`vocab.py`; K=0: every counted
+      token). The target still verifies over the full vocabulary.
+
+    `draft_length=0` turns drafting off: the engine then runs its own plain path,
+    one full forward pass per token, which is the baseline every plan is measured
+    against.
+    """
 
     layers: tuple[int, ...] | None = None
     exit_layer: int | None = None
@@ -148,7 +158,12 @@ class DraftPlan:
                 f"(got layers={list(self.layers)}, exit_layer={self.exit_layer})"
             )
         if self.draft_length == 0:
-            return  # the plain path: which layers would draft does not matter
+            return  # the plain path: which layers would draft, and how many, does not matter
+        ignored = [f for f in ignored_fields(self) if getattr(self, f) != _DEFAULTS[f]]
+        if ignored:
+            field = ignored[0]
+            raise ValueError(f"{field}={getattr(self, field)!r} does nothing under {_policy_words(self)}: "
+                             f"{_IGNORED_WHY[self.policy]} Drop {', '.join(ignored)}{_IGNORED_FIX[self.policy]}")
         if self.exit_layer is not None:
             _check_int("exit_layer", self.exit_layer, 1, None)
             return
@@ -260,9 +275,12 @@ class DraftPlan:
     # -- serialisation ---------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
+        """The plan's fields, less those its policy ignores (they hold their defaults: see `ignored_fields`)."""
         data = dataclasses.asdict(self)
         if data["layers"] is not None:
             data["layers"] = list(data["layers"])
+        for field in ignored_fields(self):
+            del data[field]
         return {"format": PLAN_FORMAT, **data}
 
     @classmethod
@@ -312,6 +330,37 @@ class DraftPlan:
             if (value := getattr(plan, field)) is not None and not os.path.isabs(value)
         }
         return dataclasses.replace(plan, **resolved) if resolved else plan
+
+
+def ignored_fields(plan: DraftPlan) -> tuple[str, ...]:
+    """The draft-length fields the policy that runs `plan` never reads (`policy.py`); a plan must leave them at
+    their defaults. A plain plan (`draft_length=0`) runs no policy, and is not checked."""
+    if not plan.drafts:
+        return ()
+    if plan.policy == "cost":  # `CostPolicy` reads draft_length and target_acceptance (its prior)
+        return ("adaptive", "threshold", "threshold_step")
+    if plan.adaptive:  # `AdaptivePolicy` with its threshold reads them all
+        return ()
+    # Fixed k: the target acceptance only prices an n-gram proposal's nodes in a recycled tree (`draft.py`).
+    return ("threshold", "threshold_step") + (() if plan.recycle and plan.ngram else ("target_acceptance",))
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DraftPlan)}
+_IGNORED_WHY = {
+    "cost": "the cost policy drafts, each round, the length that maximises expected tokens per second, from "
+            "draft_length (its most) and target_acceptance (its prior) alone; adaptive, threshold and threshold_step "
+            "steer the fixed policy's confidence threshold.",
+    "fixed": "with adaptive=False the fixed policy drafts draft_length tokens every round; threshold, threshold_step "
+             "and target_acceptance steer its confidence threshold (adaptive=True).",
+}
+_IGNORED_FIX = {
+    "cost": " (or give policy='fixed' with adaptive=True to draft by a confidence threshold).",
+    "fixed": " (or give adaptive=True to draft by a confidence threshold).",
+}
+
+
+def _policy_words(plan: DraftPlan) -> str:
+    return "policy='cost'" if plan.policy == "cost" else f"policy='fixed' with adaptive={plan.adaptive}"
 
 
 def auto_reference_layers(num_layers: int) -> tuple[int, ...]:

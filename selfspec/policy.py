@@ -2,38 +2,16 @@
 
 `CostPolicy` (a plan's `policy="cost"`, the default) drafts the length k, 0
 allowed, that maximises the round's expected emitted tokens over its
-expected time:
-
-    E[tokens | k] / (draft time(k) + verify time(k + 1))
-
-The times come from the measured cost table (`costs.RuntimeCosts`). Expected
-tokens come from acceptance learned online (`AcceptanceEstimates`), per
-source: for layer drafts by the token's position in the round and the
-draft's confidence in it (its top probability); for n-gram proposals by the
-length of the match that found them (how far back the copy's context
-agrees, `ngram.matched_length`: 1, 2, 3, 4, 5-7, 8-15, 16+) and the token's
-position in the proposal (a copy that starts right tends to go on right).
-A layer draft is decided one token at a time: after each drafted token its
-confidence is known, and drafting goes on only while some longer draft
-still beats stopping now. An n-gram proposal is cut to its best length,
-and when that is 0 the layers get their turn. The
-tokens the target then emits also judge the proposal's tokens no verify pass
-saw (`Drafter.judge_offer`), so a copy cut to nothing still teaches its
-estimate: greedy, a token is accepted exactly when it is the one emitted;
-sampling, the emitted token is the proposed one with the chance the proposal
-would have been accepted. Every
-choice uses only what is known before the verify pass (draft tokens and
-confidences, past rounds), so sampling keeps its exact distribution.
-
-Recycled nodes (`recycle.py`) are sized the same way, by their recorded
-probabilities scaled per tree depth (`DepthCalibration`), and a
-`RecycleLedger` checks from outcomes that they pay for their wider passes
-and their recording, pausing them when they do not.
-
+expected time, from the measured cost table (`costs.RuntimeCosts`) and
+acceptance learned online per draft source (its docstring says how).
 `AdaptivePolicy` (`policy="fixed"`) drafts what the plan says: k tokens, or
-with `adaptive=True` Draft & Verify's confidence threshold with an off switch.
-It is the baseline the cost policy is compared with, and what the tuner
-replays.
+with `adaptive=True` Draft & Verify's confidence threshold with an off
+switch. It is the baseline the cost policy is compared with.
+
+Both satisfy `DraftPolicy`, the one contract the rounds use (`draft.py`,
+`static_loop.py`, the engine's loop, the tuner's replay); `policy_for` builds
+the one a plan names. `LayerChoosingPolicy` adds what an auto plan's layer
+choice asks (`auto_layers.py`); only the cost policy has it.
 
 This module does not run layers or read the cache: it sees counts, confidences and times.
 """
@@ -43,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from .costs import RuntimeCosts, moving_average
 from .draft import Draft
@@ -51,6 +29,78 @@ from .plan import DraftPlan
 
 if TYPE_CHECKING:
     from .recycle import SuccessorTable
+
+
+
+@runtime_checkable
+class DraftPolicy(Protocol):
+    """What a round asks of its draft-length policy: every member the rounds read, and no other.
+
+    `round_budget`: the tokens this round may draft (set by `begin_round`);
+    `wants_confidence`: whether drafting reads the draft's top probability;
+    `recycling`: whether this round records successors and may draft
+    recycled nodes; `threshold`: the confidence threshold in force (None:
+    none); `costs`: the cost table it prices rounds with (None: it prices
+    nothing), which the engine saves and reports.
+    """
+
+    round_budget: int
+    wants_confidence: bool
+    recycling: bool
+    threshold: float | None
+    costs: RuntimeCosts | None
+
+    def begin_round(self, budget: int, *, context: int | None = None) -> None: ...
+
+    def draft_next(self, drafted: int, confidence: float | None) -> bool: ...
+
+    def planned_length(self) -> int: ...
+
+    def ngram_length(self, match_length: int, available: int) -> int: ...
+
+    def ngram_reach(self, match_length: int, length: int) -> list[float]: ...
+
+    def tree_nodes(self, chain: int, max_nodes: int, *, exact_prefix: int = 0) -> int: ...
+
+    def recycled_nodes(self, values: Sequence[float], depths: Sequence[int], *, base_nodes: int,
+                       base_expected: float, layers: bool) -> int: ...
+
+    def observe(self, draft: Draft, accepted: int, *, draft_seconds: float, verify_seconds: float, width: int,
+                emitted: int | None = None) -> None: ...
+
+    def observe_unverified(self, match_length: int, first: int, outcomes: Sequence[bool]) -> None: ...
+
+    def observe_recycled(self, *, depths: Sequence[int], values: Sequence[float], kept: Sequence[bool]) -> None: ...
+
+    def count_recording(self, successors: SuccessorTable | None) -> None: ...
+
+    def describe(self) -> str: ...
+
+
+@runtime_checkable
+class LayerChoosingPolicy(DraftPolicy, Protocol):
+    """A `DraftPolicy` that also prices layer sets, for an auto plan's per-context choice (`auto_layers.py`)."""
+
+    def plain_rate(self) -> float: ...
+
+    def layer_rate(self, key: object, *, exact_prefix: int, draft_scale: float) -> float: ...
+
+    def layer_set_tried(self, key: object) -> bool: ...
+
+    def use_layers(self, key: object, *, exact_prefix: int, draft_scale: float) -> None: ...
+
+
+def policy_for(plan: DraftPlan, costs: RuntimeCosts | None = None, *, exact_prefix: int = 0,
+               off_switch: bool = True) -> DraftPolicy:
+    """The policy that runs `plan`: `AdaptivePolicy` for `policy="fixed"` (and plain decoding), else a
+    `CostPolicy` pricing rounds with `costs`; `exact_prefix`: the layers a verify pass resumes after;
+    `off_switch`: the fixed policy's timed pause (off when sampling)."""
+    if plan.policy == "fixed" or not plan.drafts:
+        return AdaptivePolicy(plan, off_switch=off_switch)
+    if costs is None:
+        raise ValueError("a plan with policy='cost' prices its rounds: give the cost table (`RuntimeCosts`) to decide by")
+    return CostPolicy(plan, costs, exact_prefix=exact_prefix)
+
 
 CONFIDENCE_BINS = 10
 POSITION_BUCKETS = 4  # draft positions 1, 2, 3, 4+
@@ -294,7 +344,7 @@ class RecycleLedger:
 
 @dataclass
 class AcceptanceEstimates:
-    """Per-token acceptance learned online, per draft source (see the module docstring)."""
+    """Per-token acceptance learned online, per draft source (see `CostPolicy`)."""
 
     prior: float
     positions: list[Rate] = field(default_factory=lambda: [Rate() for _ in range(POSITION_BUCKETS)])
@@ -419,9 +469,41 @@ def _bin(confidence: float) -> int:
 
 
 class CostPolicy:
-    """Each round drafts the length that maximises expected tokens per second (see the module docstring)."""
+    """Each round drafts the length that maximises expected tokens per second.
+
+    A plan's `policy="cost"` (the default) drafts the length k, 0
+    allowed, that maximises the round's expected emitted tokens over its
+    expected time:
+
+        E[tokens | k] / (draft time(k) + verify time(k + 1))
+
+    The times come from the measured cost table (`costs.RuntimeCosts`). Expected
+    tokens come from acceptance learned online (`AcceptanceEstimates`), per
+    source: for layer drafts by the token's position in the round and the
+    draft's confidence in it (its top probability); for n-gram proposals by the
+    length of the match that found them (how far back the copy's context
+    agrees, `ngram.matched_length`: 1, 2, 3, 4, 5-7, 8-15, 16+) and the token's
+    position in the proposal (a copy that starts right tends to go on right).
+    A layer draft is decided one token at a time: after each drafted token its
+    confidence is known, and drafting goes on only while some longer draft
+    still beats stopping now. An n-gram proposal is cut to its best length,
+    and when that is 0 the layers get their turn. The
+    tokens the target then emits also judge the proposal's tokens no verify pass
+    saw (`Drafter.judge_offer`), so a copy cut to nothing still teaches its
+    estimate: greedy, a token is accepted exactly when it is the one emitted;
+    sampling, the emitted token is the proposed one with the chance the proposal
+    would have been accepted. Every
+    choice uses only what is known before the verify pass (draft tokens and
+    confidences, past rounds), so sampling keeps its exact distribution.
+
+    Recycled nodes (`recycle.py`) are sized the same way, by their recorded
+    probabilities scaled per tree depth (`DepthCalibration`), and a
+    `RecycleLedger` checks from outcomes that they pay for their wider passes
+    and their recording, pausing them when they do not.
+    """
 
     wants_confidence = True
+    threshold = None  # no confidence threshold: each token's confidence feeds the expected rate
 
     def __init__(self, plan: DraftPlan, costs: RuntimeCosts, *, exact_prefix: int = 0) -> None:
         self.max_length = plan.draft_length
@@ -640,6 +722,7 @@ class AdaptivePolicy:
         self.paused = 0  # rounds left without drafting
         self.backoff = 4
         self.round_budget = self.layer_budget = self.draft_length
+        self.costs: RuntimeCosts | None = None  # it prices nothing: the plan says what to draft
 
     @property
     def threshold(self) -> float | None:
@@ -676,7 +759,7 @@ class AdaptivePolicy:
     def observe_recycled(self, *, depths: Sequence[int], values: Sequence[float], kept: Sequence[bool]) -> None:
         pass  # the fixed policy does not size trees
 
-    def count_recording(self, successors) -> None:
+    def count_recording(self, successors: SuccessorTable | None) -> None:
         pass  # ... and recycles every round
 
     recycling = True

@@ -17,6 +17,7 @@ rule itself (`acceptance.py`).
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ from .recycle import SuccessorTable, chain_contexts, top_successors, tree_contex
 from .scoring import Scorer
 from .stats import GenerationStats
 from .tree import accept_tree_greedy_on_device, accept_tree_sampling_on_device
+
+if TYPE_CHECKING:
+    from .policy import DraftPolicy
 
 
 class RoundClock:
@@ -52,7 +56,7 @@ def run_static_rounds(
     runner,
     drafter: Drafter,
     passes: TargetPasses,
-    policy,
+    policy: DraftPolicy,
     scorer: Scorer,
     out,
     stats: GenerationStats,
@@ -132,7 +136,7 @@ def run_static_rounds(
         last = next_token.view(1, 1)
 
 
-def static_tree_round(runner, passes: TargetPasses, policy, scorer: Scorer, out, stats: GenerationStats,
+def static_tree_round(runner, passes: TargetPasses, policy: DraftPolicy, scorer: Scorer, out, stats: GenerationStats,
                       clock: RoundClock, draft: Draft, last: torch.Tensor, start: int, began,
                       successors: SuccessorTable | None) -> None:
     """One round that verifies a token tree: acceptance on the device, one read back, compaction."""
@@ -157,7 +161,7 @@ def static_tree_round(runner, passes: TargetPasses, policy, scorer: Scorer, out,
                       verify_seconds=clock.seconds(drafted_at, verified_at))
 
 
-def record_tree_round(policy, stats: GenerationStats, draft: Draft, path: list[int], *, draft_seconds: float,
+def record_tree_round(policy: DraftPolicy, stats: GenerationStats, draft: Draft, path: list[int], *, draft_seconds: float,
                       verify_seconds: float) -> None:
     """What a verified tree tells the stats and the policy (the eager loop's and the static step's)."""
     tree = draft.tree
@@ -177,7 +181,7 @@ def record_tree_round(policy, stats: GenerationStats, draft: Draft, path: list[i
                    emitted=len(path) + 1)
 
 
-def recycling_this_round(policy, successors: SuccessorTable | None, stats: GenerationStats) -> SuccessorTable | None:
+def recycling_this_round(policy: DraftPolicy, successors: SuccessorTable | None, stats: GenerationStats) -> SuccessorTable | None:
     """`successors` when this round records and may draft recycled nodes; None without them, or while the
     policy's ledger has recycling paused (`policy.RecycleLedger`: it did not pay)."""
     if successors is None:

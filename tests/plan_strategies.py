@@ -20,8 +20,8 @@ def plans(draw, num_layers: int, max_draft_length: int = 10):
         return selfspec.DraftPlan(auto=True, draft_length=draft_length, ngram=ngram, tree=tree,
                                   recycle=bool(tree) and draw(st.booleans()))
     policy = draw(st.sampled_from(["fixed", "fixed", "cost"]))
-    adaptive = draw(st.booleans())
-    threshold = draw(st.floats(0.05, 0.95))
+    adaptive = policy == "fixed" and draw(st.booleans())  # a confidence threshold: only the fixed policy reads it
+    threshold = draw(st.floats(0.05, 0.95)) if adaptive else 0.5
     ngram = draw(st.sampled_from([0, 0, 1, 3]))
     tree = draw(st.sampled_from([0, 0, 6, 12]))  # n-gram continuations, or a layer draft's runners-up, as trees
     recycle = bool(tree) and draw(st.booleans())  # and nodes grown from the target's recorded predictions

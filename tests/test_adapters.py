@@ -239,7 +239,7 @@ def test_llama_layout_under_a_new_model_type_runs_generic_after_its_self_check()
     assert spec.adapter.name == "generic"
     prompt = random_prompt(10, seed=9)
     ref = model.generate(prompt, do_sample=False, max_new_tokens=30)
-    for plan in (selfspec.DraftPlan(exit_layer=3, draft_length=5), selfspec.DraftPlan(layers=[1, 2, 5], adaptive=True)):
+    for plan in (selfspec.DraftPlan(exit_layer=3, draft_length=5), selfspec.DraftPlan(layers=[1, 2, 5], adaptive=True, policy="fixed")):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", GenericAdapterWarning)
             out = selfspec.wrap(model, plan=plan).generate(prompt, max_new_tokens=30)

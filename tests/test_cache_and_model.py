@@ -14,7 +14,7 @@ PLANS = [
     selfspec.DraftPlan(exit_layer=3, draft_length=5, policy="fixed"),
     selfspec.DraftPlan(layers=[0, 1, 4], draft_length=4, policy="fixed"),
     selfspec.DraftPlan(layers=[2, 3, 5], draft_length=3, policy="fixed"),  # skips layer 0: no exact prefix
-    selfspec.DraftPlan(layers=[0, 2, 3, 5], adaptive=True, draft_length=6),
+    selfspec.DraftPlan(layers=[0, 2, 3, 5], adaptive=True, draft_length=6, policy="fixed"),
 ]
 
 

@@ -16,7 +16,9 @@
 
 from __future__ import annotations
 
+import inspect
 import time
+import typing
 
 import pytest
 import torch
@@ -24,7 +26,8 @@ import torch
 import selfspec
 from selfspec.costs import PassCosts, RuntimeCosts, cpu_capability, machine_description
 from selfspec.draft import Draft
-from selfspec.policy import AcceptanceEstimates, CostPolicy, choose_length
+from selfspec.policy import (AcceptanceEstimates, AdaptivePolicy, CostPolicy, DraftPolicy, LayerChoosingPolicy,
+                             choose_length, policy_for)
 from selfspec.testing import random_prompt, tiny_model
 
 # Issue 11, AVX2 host, bfloat16, 2 threads: a pass over q tokens in plain steps (q = 1, 2, 4, 9, 16).
@@ -516,3 +519,31 @@ def test_a_capped_cpu_capability_is_named_in_figures_and_in_the_cost_tables_key(
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert cpu_capability() == f"{uncapped} (capped: ONEDNN_MAX_CPU_ISA=AVX2)"
     assert machine_description(cpu) != plain_machine  # a capped run's cost tables are kept apart
+
+
+def _protocol_members(protocol) -> set[str]:
+    own = {name for klass in protocol.__mro__ if klass not in (object, typing.Protocol, typing.Generic)
+           for name in [*vars(klass), *getattr(klass, "__annotations__", {})] if not name.startswith("_")}
+    return own
+
+
+def test_both_policies_satisfy_the_one_contract():
+    """`policy_for` builds what a plan names; both policies have every `DraftPolicy` member, with its signature."""
+    costs = RuntimeCosts(PassCosts.profile("linear", num_layers=6), learn=False)
+    fixed = policy_for(selfspec.DraftPlan(exit_layer=2, policy="fixed", adaptive=True))
+    cost = policy_for(selfspec.DraftPlan(exit_layer=2), costs, exact_prefix=2)
+    assert type(fixed) is AdaptivePolicy and type(cost) is CostPolicy and cost.exact_prefix == 2
+    assert type(policy_for(selfspec.DraftPlan.plain(), costs)) is AdaptivePolicy  # plain decoding drafts nothing
+    with pytest.raises(ValueError, match="cost table"):
+        policy_for(selfspec.DraftPlan(exit_layer=2))
+    for policy in (fixed, cost):
+        assert isinstance(policy, DraftPolicy)
+        for name in _protocol_members(DraftPolicy):
+            assert hasattr(policy, name), (type(policy).__name__, name)
+            declared = getattr(DraftPolicy, name, None)
+            if callable(declared):
+                assert inspect.signature(getattr(policy, name)) == inspect.signature(declared.__get__(policy)), name
+    assert isinstance(cost, LayerChoosingPolicy) and not isinstance(fixed, LayerChoosingPolicy)
+    assert (fixed.costs, cost.costs) == (None, costs) and (fixed.threshold, cost.threshold) == (0.5, None)
+    members = _protocol_members(DraftPolicy)
+    assert len(members) == 17 and {"begin_round", "draft_next", "observe", "round_budget", "costs"} <= members

@@ -129,7 +129,7 @@ def test_logits_processor_and_repetition_penalty(arch):
     model = tiny_model(arch)
     prompt = random_prompt(10, seed=4)
     processors = LogitsProcessorList([NoRepeatNGramLogitsProcessor(2)])
-    for plan in (selfspec.DraftPlan(exit_layer=4, draft_length=6), selfspec.DraftPlan(layers=[0, 1, 4, 5], adaptive=True)):
+    for plan in (selfspec.DraftPlan(exit_layer=4, draft_length=6), selfspec.DraftPlan(layers=[0, 1, 4, 5], adaptive=True, policy="fixed")):
         spec = selfspec.wrap(model, plan=plan)
         ref = reference(model, prompt, max_new_tokens=30, logits_processor=processors)
         assert_same(spec.generate(prompt, max_new_tokens=30, logits_processor=processors), ref, plan)

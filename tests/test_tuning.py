@@ -17,25 +17,27 @@ from selfspec.testing import random_prompt, tiny_model
 
 import selfspec
 from selfspec import DraftPlan
+from selfspec.costs import PassCosts
+from selfspec.plan import ignored_fields
 from selfspec.registry import adapter_for
 from selfspec.cli.tune import add_arguments as add_tune_arguments
 from selfspec.cli.tune import format_command, tune_config
 from selfspec.tuning import CostModel, adapter_entry, tune
 from selfspec.tuning.calibration import make_calibration
 from selfspec.tuning.candidate import Candidate
-from selfspec.tuning.cost import expected_tokens_per_round, iid_speedup
+from selfspec.tuning.cost import expected_tokens_per_round, iid_speedup, measure_cost_model
 from selfspec.tuning.layer_search import search
 from selfspec.tuning.proxy import ProxyEvaluator
 from selfspec.tuning.replay import Agreement, Policy, Simulation, policy_grid, simulate
 from selfspec.tuning.report import pareto_front
 
 LAYERS = 6  # selfspec.testing.COMMON
-# A made-up cost model (no timing, so the tests are deterministic): 0.1 + 6 * 0.1 + 0.3 == 1.
+# A made-up cost table (no timing, so the tests are deterministic), in seconds: a pass over q tokens costs
+# 1 + 0.08 (q - 1); a drafted token through n layers 0.4 + 0.1 n.
 COSTS = CostModel(
-    num_layers=LAYERS,
-    layer=tuple(0.1 + 0.01 * q for q in range(9)),
-    head=tuple(0.3 + 0.02 * q for q in range(9)),
-    overhead=0.1,
+    PassCosts(verify=tuple(1.0 + 0.08 * q for q in range(9)), draft_step=0.0, num_layers=LAYERS, source="test"),
+    draft_first=0.5,
+    draft_all=1.0,
 )
 
 
@@ -70,20 +72,34 @@ def test_expected_tokens_per_round_formula():
     assert iid_speedup(0.5, 3, draft_step=0.2, verify=1.1) == pytest.approx(1.875 / 1.7)
 
 
-def test_cost_model_formula():
-    assert COSTS.overhead + LAYERS * COSTS.layer[0] + COSTS.head[0] == pytest.approx(1.0)
-    assert COSTS.draft_step(3) == pytest.approx(0.1 + 3 * 0.1 + 0.3)
+def test_cost_model_prices_with_the_runtime_table():
+    """The tuner's prices are the runtime's `PassCosts`: a layer set's table is the passes with its draft step."""
+    assert COSTS.draft_step(1) == pytest.approx(0.5) and COSTS.draft_step(LAYERS) == pytest.approx(1.0)
+    assert COSTS.draft_step(3) == pytest.approx(0.4 + 3 * 0.1)  # linear in the layers between the two measured
     assert COSTS.verify(0) == pytest.approx(1.0)  # a plain step
-    # Two drafted tokens, exact prefix of 2 layers: those see 1 token, the other 4 see 3.
-    assert COSTS.verify(2, exact_prefix=2) == pytest.approx(0.1 + 2 * 0.1 + 4 * 0.12 + 0.34)
+    table = COSTS.table(3)
+    assert table.draft_step == pytest.approx(0.7) and table.verify == COSTS.passes.verify
+    # Two drafted tokens, exact prefix of 2 layers: priced as the runtime prices that verify pass.
+    assert COSTS.verify(2, exact_prefix=2) == pytest.approx(table.verify_seconds(3, 2) / table.step)
     assert COSTS.round_cost(2, 3, 2) == pytest.approx(2 * COSTS.draft_step(3) + COSTS.verify(2, 2))
     assert CostModel.from_dict(json.loads(json.dumps(COSTS.to_dict()))) == COSTS
+    assert COSTS.max_draft_length == 8 and COSTS.num_layers == LAYERS
+
+
+def test_measured_cost_model_is_the_runtimes_table(model):
+    """`measure_cost_model` reads the tables a generation decides with (`SelfSpecModel.measure_costs`)."""
+    measured = measure_cost_model(model, max_draft_length=3, repeats=1)
+    runtime = selfspec.wrap(model, plan=DraftPlan(exit_layer=1, draft_length=3)).measure_costs(repeats=1)
+    assert dataclasses.replace(measured.passes, source="cached") == runtime.passes_only()  # the same table
+    assert measured.draft_first == runtime.draft_step
+    assert measured.max_draft_length == 3 and measured.draft_all >= measured.draft_first > 0
 
 
 def test_simulate_replays_the_decode_loop_by_hand():
     # 8 generated tokens; the draft matches at generated inputs 0, 1, 3, 4, 5.
     agreement = Agreement([[True, True, False, True, True, True, False]], [[0.9] * 7])
-    sim = simulate(agreement, Policy(2), limits=[8], round_cost=lambda n: (0.5 * n, 1.0))
+    costs = PassCosts(verify=(1.0,) * 9, draft_step=0.5, num_layers=LAYERS)  # a drafted token 0.5, a pass 1.0
+    sim = simulate(agreement, Policy(2, policy="fixed"), limits=[8], costs=costs)
     # Rounds: draft 2, accept 2 (emitted 1 -> 4); draft 2, accept 2 (-> 7); budget 0, plain step (-> 8).
     assert sim == Simulation(rounds=3, drafted=4, accepted=4, emitted=8, sequences=1, cost=5.0)
     assert sim.speedup == pytest.approx(7 / 5)
@@ -92,16 +108,30 @@ def test_simulate_replays_the_decode_loop_by_hand():
 
 def test_simulate_stops_drafting_below_the_confidence_threshold():
     agreement = Agreement([[True, True, True, True, True]], [[0.9, 0.2, 0.9, 0.9, 0.9]])
-    policy = Policy(4, adaptive=True, threshold=0.5, threshold_step=0.0)
-    sim = simulate(agreement, policy, limits=[6], round_cost=lambda n: (0.0, 1.0))
+    policy = Policy(4, policy="fixed", adaptive=True, threshold=0.5, threshold_step=0.0)
+    sim = simulate(agreement, policy, limits=[6], costs=PassCosts(verify=(1.0,) * 9, draft_step=0.0, num_layers=1))
     # Round 1 drafts 2 (the second is under 0.5) and keeps both (-> 4); round 2: budget 1, drafts 1 (-> 6).
     assert (sim.rounds, sim.drafted, sim.accepted, sim.emitted) == (2, 3, 3, 6)
 
 
 def test_policy_grid_is_valid_plans():
     for policy in policy_grid(8):
-        DraftPlan(exit_layer=1, **policy.plan_fields())
+        plan = DraftPlan(exit_layer=1, **policy.plan_fields())
+        assert plan.policy == "cost" and plan == policy.plan()  # the runtime's default policy, nothing inert
     assert policy_grid(8)[0] == Policy(1)  # the simplest first: it wins ties
+    with pytest.raises(ValueError, match="threshold=0.3 does nothing under policy='cost'"):
+        Policy(4, threshold=0.3)
+
+
+def test_simulate_runs_the_cost_policy_through_the_contract():
+    """A cost replay decides as the runtime's `CostPolicy` does: it stops drafting where a pass costs too much."""
+    agreement = Agreement([[True] * 11], [[0.95] * 11])
+    cheap = PassCosts(verify=(1.0,) * 9, draft_step=0.05, num_layers=LAYERS)  # wide passes free, drafts cheap
+    dear = PassCosts(verify=tuple(float(q) for q in range(1, 10)), draft_step=0.9, num_layers=LAYERS)
+    fast = simulate(agreement, Policy(4), limits=[12], costs=cheap)
+    slow = simulate(agreement, Policy(4), limits=[12], costs=dear)
+    assert fast.drafted >= 4 and fast.speedup > 1.5
+    assert slow.drafted == 0 and slow.rounds == 11 and slow.speedup == pytest.approx(1.0)  # plain steps pay best
 
 
 # --------------------------------------------------------------------------- the proxy
@@ -119,7 +149,7 @@ def test_proxy_of_the_full_depth_plan_agrees_everywhere(model, calibration, cont
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_rounds_proxy_equals_real_greedy_acceptance(model, evaluator, layers, k):
     """The default proxy replays the engine's rounds, draft entries and all: exact in float64."""
-    proxy = evaluator.simulate(layers, Policy(k))
+    proxy = evaluator.simulate(layers, Policy(k, policy="fixed"))
     spec = selfspec.wrap(model, plan=DraftPlan(layers=layers, draft_length=k, policy="fixed"))
     drafted = accepted = rounds = 0
     for seq in evaluator.calibration:
@@ -129,11 +159,45 @@ def test_rounds_proxy_equals_real_greedy_acceptance(model, evaluator, layers, k)
     assert (proxy.drafted, proxy.accepted, proxy.rounds) == (drafted, accepted, rounds)
 
 
+# Wide passes free and drafts cheap: the cost policy drafts on even at the tiny model's low acceptance.
+CHEAP = CostModel(PassCosts(verify=(1.0,) * 9, draft_step=0.0, num_layers=LAYERS), draft_first=0.01, draft_all=0.05)
+
+
+@pytest.fixture(scope="module")
+def cheap_evaluator(model, calibration):
+    return ProxyEvaluator(model, calibration, CHEAP)
+
+
+@pytest.mark.parametrize("layers", [(0, 1, 2), (0, 2, 5), (0, 1, 3, 4, 5)])
+@pytest.mark.parametrize("k", [2, 6])
+@pytest.mark.parametrize("costs", ["cheap", "dear"])
+def test_cost_policy_replay_equals_the_real_cost_policy(model, evaluator, cheap_evaluator, layers, k, costs):
+    """The replay runs the policy the runtime runs: wrapped with the same table, the real rounds accept the same.
+
+    Drafted counts agree exactly up to k = 2; past a rejected token the proxy does not follow the draft's own
+    tokens (the round-start confidence stands in), so a longer draft's tail may be decided a little differently.
+    """
+    evaluator = cheap_evaluator if costs == "cheap" else evaluator
+    table = evaluator.cost_model.table(len(layers))
+    proxy = evaluator.simulate(layers, Policy(k))
+    if costs == "cheap":
+        assert proxy.drafted > proxy.rounds  # it drafts, more than one token a round on average
+    spec = selfspec.wrap(model, plan=Policy(k).plan(layers=layers), costs=table)
+    drafted = accepted = rounds = 0
+    for seq in evaluator.calibration:
+        spec.generate(torch.tensor([seq.tokens[: seq.prompt_length]]), max_new_tokens=seq.max_new_tokens)
+        drafted, accepted = drafted + spec.last_stats.drafted, accepted + spec.last_stats.accepted
+        rounds += spec.last_stats.rounds
+    assert (proxy.accepted, proxy.rounds) == (accepted, rounds)
+    assert proxy.drafted == drafted if k <= 2 else proxy.drafted == pytest.approx(drafted, rel=0.05)
+
+
 @pytest.mark.parametrize("layers", [(0, 2, 5), (0, 1, 3, 4, 5)])
 def test_round_start_proxy_is_exact_for_one_drafted_token(model, calibration, layers):
     evaluator = ProxyEvaluator(model, calibration, COSTS, context="target")
     rounds_proxy = ProxyEvaluator(model, calibration, COSTS)
-    assert evaluator.simulate(layers, Policy(1)) == rounds_proxy.simulate(layers, Policy(1))
+    fixed = Policy(1, policy="fixed")
+    assert evaluator.simulate(layers, fixed) == rounds_proxy.simulate(layers, fixed)
     assert evaluator.agreement(layers).matches == rounds_proxy.agreement(layers).matches
 
 
@@ -218,6 +282,9 @@ def test_tune_end_to_end(model, prompts, tmp_path):
         progress=False,
     )
     assert result.best_plan.drafts and result.best is not None
+    assert result.best_plan.policy == "cost" and not set(result.best_plan.to_dict()) & set(ignored_fields(
+        result.best_plan))  # written for the default policy, no inert field
+    assert all(c.plan.policy == "cost" for c in result.confirmations if c.candidate is not None)
     labels = [c.label for c in result.confirmations]
     assert labels[0] == "plain" and "#1" in labels and "default" in labels
     variants = {c.label: c for c in result.confirmations if c.label.startswith("#1+")}

@@ -38,11 +38,11 @@ class Candidate:
         return self.layers == tuple(range(len(self.layers)))
 
     def plan(self, *, policy: Policy | None = None, name: str = "") -> DraftPlan:
-        """The plan the proxy scored: its own draft-length rule (`policy="fixed"`), which the replay models."""
-        fields = {**(policy or self.policy).plan_fields(), "policy": "fixed"}
+        """The plan the proxy scored, with the draft-length policy its replay ran (the runtime's cost policy)."""
+        chosen = policy or self.policy
         if self.is_early_exit:
-            return DraftPlan(exit_layer=len(self.layers), name=name, **fields)
-        return DraftPlan(layers=self.layers, name=name, **fields)
+            return chosen.plan(exit_layer=len(self.layers), name=name)
+        return chosen.plan(layers=self.layers, name=name)
 
     def describe_layers(self) -> str:
         if self.is_early_exit:

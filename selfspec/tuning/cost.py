@@ -1,158 +1,121 @@
-"""The measured cost model: layers, LM head and verify passes as fractions of one plain decoding step.
+"""The tuner's prices: the runtime's own measured pass costs, for any layer set.
 
-`measure_cost_model` times them on this machine, in the model's dtype; the
-i.i.d. formulas (Leviathan et al.) turn an agreement rate into an expected
-speedup. It knows nothing about which layers a draft runs or how well they
-agree with the target, and nothing about the machine beyond what it times.
+`measure_cost_model` asks the engine (`SelfSpecModel.measure_costs`, the
+table a generation decides with, cached alike) for the verify passes and for
+two draft steps: an exit after layer 0 and one after the last layer. A draft
+of n layers is priced between the two, linear in n (each layer reads the
+same weights). `CostModel.table` is then the `PassCosts` table a plan of that
+many layers runs with, which the replay prices and decides with. The i.i.d.
+formulas (Leviathan et al.) turn an agreement rate into an expected speedup,
+for comparison. This module knows nothing about which layers a draft runs or
+how well they agree with the target.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
-from ..parts import text_config
-from ..registry import model_parts
-from ..runner import LayerRunner
+from ..costs import PassCosts
+from ..engine import wrap
+from ..plan import DraftPlan
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Measured costs, as fractions of one plain decoding step (one token through the full model).
+    """The runtime's pass costs (`passes`, seconds by verify width), and the draft step through 1 and through
+    every layer (`draft_first`, `draft_all`, seconds at `passes.context`, each with the final norm and LM head).
 
-    `layer[q-1]`, `head[q-1]`: one layer, and the final norm + LM head, on q
-    tokens. `overhead`: the rest of a forward pass (embedding, argmax, Python),
-    so that `overhead + L * layer[0] + head[0] == 1`.
+    `draft_step(n)` and `verify(drafted)` are in plain steps (one token through the full model).
     """
 
-    num_layers: int
-    layer: tuple[float, ...]
-    head: tuple[float, ...]
-    overhead: float
-    plain_step_seconds: float = 0.0
+    passes: PassCosts
+    draft_first: float
+    draft_all: float
     dtype: str = ""
     threads: int = 0
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.draft_first <= self.draft_all:
+            raise ValueError(f"draft steps must satisfy 0 <= draft_first <= draft_all, got {self.draft_first} and "
+                             f"{self.draft_all}")
+
+    @property
+    def num_layers(self) -> int:
+        return self.passes.num_layers
+
     @property
     def max_draft_length(self) -> int:
-        return min(len(self.layer), len(self.head)) - 1
+        return self.passes.max_width - 1
+
+    @property
+    def plain_step_seconds(self) -> float:
+        return self.passes.step
+
+    def draft_seconds(self, num_draft_layers: int) -> float:
+        """One drafted token through `num_draft_layers` layers and the LM head, in seconds."""
+        if self.num_layers <= 1:
+            return self.draft_all
+        share = (num_draft_layers - 1) / (self.num_layers - 1)
+        return self.draft_first + share * (self.draft_all - self.draft_first)
+
+    def table(self, num_draft_layers: int) -> PassCosts:
+        """The cost table a plan whose draft runs `num_draft_layers` layers decides with (`costs.PassCosts`)."""
+        draft = self.draft_seconds(num_draft_layers)
+        long = draft * self.passes.verify_long[0] / self.passes.step if self.passes.verify_long else 0.0
+        return dataclasses.replace(self.passes, draft_step=draft, draft_long=long)
 
     def draft_step(self, num_draft_layers: int) -> float:
-        """One drafted token through `num_draft_layers` layers and the LM head."""
-        return self.overhead + num_draft_layers * self.layer[0] + self.head[0]
+        """One drafted token through `num_draft_layers` layers and the LM head, in plain steps."""
+        return self.draft_seconds(num_draft_layers) / self.passes.step
 
     def verify(self, drafted: int, exact_prefix: int = 0) -> float:
-        """One verify pass over the last token and `drafted` tokens, resuming after the plan's exact prefix.
-
-        The draft already ran layers 0..s-1 for all but the last drafted token,
-        so those layers see one token; the other L - s layers see drafted + 1.
-        """
-        q = min(drafted, self.max_draft_length) + 1
-        s = exact_prefix if drafted else 0
-        return self.overhead + s * self.layer[0] + (self.num_layers - s) * self.layer[q - 1] + self.head[q - 1]
+        """One verify pass over the last token and `drafted` tokens, resuming after the plan's exact prefix, in
+        plain steps."""
+        return self.passes.verify_seconds(drafted + 1, exact_prefix if drafted else 0) / self.passes.step
 
     def round_cost(self, drafted: int, num_draft_layers: int, exact_prefix: int) -> float:
         return drafted * self.draft_step(num_draft_layers) + self.verify(drafted, exact_prefix)
 
     def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["verify_full"] = [self.verify(k) for k in range(self.max_draft_length + 1)]
-        return data
+        return {"passes": self.passes.to_dict(), "draft_first": self.draft_first, "draft_all": self.draft_all,
+                "dtype": self.dtype, "threads": self.threads,
+                "verify_full": [self.verify(k) for k in range(self.max_draft_length + 1)]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CostModel":
-        known = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
-        values["layer"], values["head"] = tuple(values["layer"]), tuple(values["head"])
-        return cls(**values)
+        return cls(PassCosts.from_dict(data["passes"]), float(data["draft_first"]), float(data["draft_all"]),
+                   dtype=data.get("dtype", ""), threads=int(data.get("threads", 0)))
 
     def summary(self) -> str:
         verify = ", ".join(f"{k}: {self.verify(k):.2f}" for k in range(1, self.max_draft_length + 1))
         return (
-            f"plain step {self.plain_step_seconds * 1e3:.1f} ms ({self.dtype}, {self.threads} threads); "
-            f"in plain steps: one layer {self.layer[0]:.4f} (all {self.num_layers}: "
-            f"{self.num_layers * self.layer[0]:.2f}), LM head {self.head[0]:.3f}, overhead {self.overhead:.3f}; "
-            f"verify(k) {verify}"
+            f"plain step {self.passes.step * 1e3:.2f} ms ({self.dtype}, {self.threads} threads); in plain steps: "
+            f"a draft step through 1 layer {self.draft_step(1):.3f}, through all {self.num_layers} "
+            f"{self.draft_step(self.num_layers):.3f}; verify(k) {verify} [{self.passes.source}; {self.passes.machine}]"
         )
 
 
-@torch.no_grad()
-def measure_cost_model(
-    model, *, max_draft_length: int = 8, context: int = 64, repeats: int = 15, progress: bool = True
-) -> CostModel:
-    """Time the layers, the LM head and a plain step on this machine, in the model's dtype.
+def measure_cost_model(model, *, max_draft_length: int = 8, repeats: int = 3, cached: bool = True) -> CostModel:
+    """The runtime's cost tables for `model` on this machine, in its dtype (`SelfSpecModel.measure_costs`).
 
-    Every measurement is repeated `repeats` times, all kinds interleaved (so a
-    burst of load on a shared machine hits them alike), after a warmup; the
-    medians are used. A `context` of earlier tokens sits in the cache.
+    `cached`: read (and keep) the tables a generation uses, as the engine does; False measures afresh.
     """
-    parts = model_parts(model)
-    num_layers = parts.num_layers
-    device = parts.lm_head.weight.device
-    q_max = max_draft_length + 1
-    runner = LayerRunner(parts, capacity=context + q_max + 1, device=device)
-    ids = torch.randint(0, _vocab_size(model), (context + q_max,), generator=torch.Generator().manual_seed(0)).tolist()
-    runner.run(runner.embed(ids[:context], 0), range(num_layers), 0)
-    inputs = {q: runner.embed(ids[context : context + q], context) for q in range(1, q_max + 1)}
 
-    def stack(q: int) -> Callable[[], None]:
-        def run() -> None:
-            runner.run(inputs[q], range(num_layers), context)
-            runner.cache.crop(context)
+    def measured(exit_layer: int) -> PassCosts:
+        plan = DraftPlan(exit_layer=exit_layer, draft_length=max_draft_length, name=f"tune-exit-{exit_layer}")
+        return wrap(model, plan=plan).measure_costs(cached=cached, repeats=repeats)
 
-        return run
-
-    def head(q: int) -> Callable[[], None]:
-        return lambda: runner.logits(inputs[q])
-
-    def plain() -> None:
-        hidden = runner.run(runner.embed(ids[context : context + 1], context), range(num_layers), context)
-        int(runner.logits(hidden[:, -1:])[0].argmax())
-        runner.cache.crop(context)
-
-    tasks: dict[Any, Callable[[], None]] = {"plain": plain}
-    tasks.update({("stack", q): stack(q) for q in range(1, q_max + 1)})
-    tasks.update({("head", q): head(q) for q in range(1, q_max + 1)})
-    times: dict[Any, list[float]] = {name: [] for name in tasks}
-    for fn in tasks.values():  # warmup
-        fn()
-        fn()
-    for _ in tqdm(range(repeats), desc="cost model", disable=not progress, leave=False):
-        for name, fn in tasks.items():
-            _sync(device)
-            began = time.perf_counter()
-            fn()
-            _sync(device)
-            times[name].append(time.perf_counter() - began)
-    median = {name: statistics.median(values) for name, values in times.items()}
-    step = median["plain"]
-    layer = tuple(median[("stack", q)] / num_layers / step for q in range(1, q_max + 1))
-    head_cost = tuple(median[("head", q)] / step for q in range(1, q_max + 1))
-    return CostModel(
-        num_layers=num_layers,
-        layer=layer,
-        head=head_cost,
-        overhead=max(0.0, 1.0 - num_layers * layer[0] - head_cost[0]),
-        plain_step_seconds=step,
-        dtype=str(parts.dtype).removeprefix("torch."),
-        threads=torch.get_num_threads(),
-    )
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _vocab_size(model) -> int:
-    return int(text_config(model.config).vocab_size)
+    spec_first = measured(1)
+    num_layers = spec_first.num_layers
+    passes = spec_first.passes_only()
+    last = passes.with_draft(measured(num_layers).draft_only())  # the full draft, as a share of these passes' step
+    dtype = next(model.parameters()).dtype
+    return CostModel(passes, spec_first.draft_step, max(spec_first.draft_step, last.draft_step),
+                     dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads())
 
 
 def expected_tokens_per_round(alpha: float, k: int) -> float:

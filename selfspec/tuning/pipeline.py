@@ -1,19 +1,19 @@
-"""The whole plan search, in order; `TuneConfig` says how hard to look.
+"""The whole search, in order; `TuneConfig` says how hard to look.
 
-1. **Calibration** (`calibration`): the target's own greedy continuations.
-2. **Cost model** (`cost`): a layer and the LM head on 1..k+1 tokens, timed
-   here, as fractions of a plain step.
-3. **Search** (`layer_search`), scored by the acceptance proxy (`proxy`, its
-   rounds replayed in `replay`): early exits, a greedy walk dropping one
-   layer at a time, then local moves (or random search, or optuna).
-4. **Re-scoring**: the best sets and the Pareto front, by the exact proxy,
-   which also picks each one's draft-length policy.
-5. **Proxy check** (`proxy_check`): a few plans run for real.
-6. **Confirmation** (`confirm`): the best few timed against the plain path
-   on held-out prompts; the fastest wins (`report` holds the result).
+1. Calibration (`calibration`): the target's own greedy continuations of the
+   prompts, from the engine's plain path.
+2. Costs (`cost`): the runtime's measured pass costs on this machine.
+3. Search (`layer_search`), scored by the acceptance proxy (`proxy`), whose
+   rounds are replayed with the runtime's cost policy (`replay`).
+4. Re-scoring: the best layer sets and the Pareto front, by the exact proxy.
+5. Proxy check (`proxy_check`): a few plans run for real.
+6. Confirmation (`confirm`): the best few timed against the plain path on
+   held-out prompts; the fastest measured plan wins, written with the
+   default (cost) policy.
 
-The search does not know sampling,
-logits processors, batches above 1, or the machine beyond what it measures.
+`tune` runs the other modules' steps and holds none of their logic. What it
+does not know: sampling, logits processors, batch sizes above 1, anything
+about the machine beyond what it measures here.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class TuneConfig:
     seed: int = 0
     name: str = "tuned"
     include_default: bool = True
-    cost_repeats: int = 15
+    cost_repeats: int = 3  # the runtime's `SelfSpecModel.measure_costs(repeats=)`
     trees: tuple[int, ...] = ()  # node budgets: the best plan is also timed with n-gram lookup as trees of this size
     recycle: bool = False  # ... and each tree budget also with recycled trees (`recycle=True`)
 
@@ -135,7 +135,7 @@ def tune(
 
     if cost_model is None:
         cost_model = measure_cost_model(model, max_draft_length=config.max_draft_length,
-                                        repeats=config.cost_repeats, progress=progress)
+                                        repeats=config.cost_repeats)
     say(f"cost model: {cost_model.summary()}")
     laps.lap("cost_model")
 

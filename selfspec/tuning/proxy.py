@@ -116,6 +116,7 @@ class ProxyEvaluator:
         if not self.calibration:
             raise ValueError("the calibration needs at least one sequence with 2 or more generated tokens")
         self.limits = [s.max_new_tokens for s in self.calibration]
+        self.prompt_lengths = [s.prompt_length for s in self.calibration]
         with torch.no_grad():
             self.traces = [self._trace(s) for s in self.calibration]
             if context != "draft":
@@ -296,13 +297,12 @@ class ProxyEvaluator:
         cost = self.cost_model
         s = DraftPlan(layers=layers).exact_prefix(self.num_layers)
         step = cost.draft_step(len(layers))
-
-        def round_cost(n: int) -> tuple[float, float]:
-            return n * step, cost.verify(n, s)
+        table = cost.table(len(layers))
 
         best_policy, best = None, None
         for policy in self.policies:
-            sim = simulate(agreement, policy, limits=self.limits, round_cost=round_cost)
+            sim = simulate(agreement, policy, limits=self.limits, costs=table, exact_prefix=s,
+                           prompt_lengths=self.prompt_lengths)
             if best is None or sim.speedup > best.speedup + 1e-9:
                 best_policy, best = policy, sim
         alpha = agreement.alpha
@@ -318,13 +318,13 @@ class ProxyEvaluator:
         """One policy's simulation for a layer set, optionally on a subset of the calibration sequences."""
         layers = self.check_layers(layers)
         agreement = self.agreement(layers)
-        limits = self.limits
+        limits, prompt_lengths = self.limits, self.prompt_lengths
         if sequences is not None:
             agreement = agreement.subset(sequences)
-            limits = [limits[i] for i in sequences]
+            limits, prompt_lengths = [limits[i] for i in sequences], [prompt_lengths[i] for i in sequences]
         s = DraftPlan(layers=layers).exact_prefix(self.num_layers)
-        step = self.cost_model.draft_step(len(layers))
-        return simulate(agreement, policy, limits=limits, round_cost=lambda n: (n * step, self.cost_model.verify(n, s)))
+        return simulate(agreement, policy, limits=limits, costs=self.cost_model.table(len(layers)), exact_prefix=s,
+                        prompt_lengths=prompt_lengths)
 
     @property
     def evaluated(self) -> list[Candidate]:

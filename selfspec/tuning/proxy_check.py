@@ -86,8 +86,10 @@ def check_proxy(
 ) -> ProxyCheck:
     """Real greedy generation on calibration prompts for `plans` layer sets spread over the agreement range.
 
-    Every plan uses the same fixed draft length, and the proxy simulates that
-    same policy on the same prompts, so the difference is the proxy's alone.
+    Every plan runs the cost policy with the same most draft length, deciding
+    with the cost table the proxy prices it with (injected, so the real run
+    decides as the replay does), and the proxy simulates that same policy on
+    the same prompts, so the difference is the proxy's alone.
     With `alternatives`, the cruder proxies (round starts only, teacher
     forcing) are scored on the same plans for comparison.
     """
@@ -103,7 +105,8 @@ def check_proxy(
     runs = len(chosen) * len(indices)
     with tqdm(total=runs, desc="proxy check (real runs)", disable=not progress, leave=False) as bar:
         for candidate in chosen:
-            spec = wrap(model, plan=candidate.plan(policy=policy))
+            spec = wrap(model, plan=candidate.plan(policy=policy),
+                        costs=evaluator.cost_model.table(len(candidate.layers)))
             drafted = accepted = new_tokens = passes = same = 0
             for i in indices:
                 seq = evaluator.calibration[i]

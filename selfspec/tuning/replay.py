@@ -1,49 +1,68 @@
-"""The engine's rounds replayed on measured agreements: draft-length policies and their simulation.
+"""The engine's rounds replayed on measured agreements, with the policy the runtime runs.
 
 A `Policy` is the plan fields that say how many tokens a round drafts;
-`policy_grid` is the set the tuner tries. An `Agreement` says where a draft
-chose the target's next token; `simulate` replays the engine's decode loop
-(with the engine's own `AdaptivePolicy`) on it and totals the cost of the
-rounds. It runs no model: the agreements come from the proxy, the round costs
-from the cost model.
-
-The policies of the grid: fixed k, a fixed confidence threshold, and Draft &
-Verify's moving threshold. A simulation's speedup is emitted tokens over cost
-in plain steps: Leviathan et al.'s tokens per round over cost per round, on the
-measured agreement pattern rather than an i.i.d. rate (the i.i.d. figure,
-`cost.iid_speedup`, is reported beside it).
+`policy_grid` is the set the tuner tries: the cost policy (the runtime's
+default) at each most draft length. An `Agreement` says where a draft chose
+the target's next token; `simulate` replays the decode loop on it through
+the policy contract (`policy.DraftPolicy`, built by `policy_for` as the
+engine builds it), priced and decided by the plan's cost table
+(`costs.PassCosts`), and totals the rounds' cost. It runs no model. A
+simulation's speedup is emitted tokens over cost in plain steps, on the
+measured agreement pattern rather than an i.i.d. rate (`cost.iid_speedup`
+is reported beside it).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..policy import AdaptivePolicy
-from ..plan import DraftPlan
+from ..costs import PassCosts, RuntimeCosts
+from ..draft import Draft
+from ..plan import DraftPlan, ignored_fields
+from ..policy import policy_for
 
 
 @dataclass(frozen=True)
 class Policy:
-    """A draft-length policy: the plan fields that say how many tokens a round drafts."""
+    """A draft-length policy: the plan fields that say how many tokens a round drafts (`plan.DraftPlan`)."""
 
     draft_length: int
+    policy: str = "cost"
     adaptive: bool = False
     threshold: float = 0.5
     target_acceptance: float = 0.8
     threshold_step: float = 0.05
 
+    def __post_init__(self) -> None:
+        self.plan()  # a policy that sets a field it ignores is refused, as a plan is
+
     @classmethod
     def from_plan(cls, plan: DraftPlan) -> "Policy":
-        """The draft-length policy of `plan`."""
-        return cls(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(cls)})
+        """The draft-length policy of `plan`, as a layer draft runs it (a field only an n-gram or recycled draft
+        reads is left at its default)."""
+        fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(cls)}
+        layers_only = DraftPlan(exit_layer=1, draft_length=max(1, plan.draft_length), policy=plan.policy,
+                                adaptive=plan.adaptive)
+        defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.name in ignored_fields(layers_only)}
+        return cls(**{**fields, **defaults})
+
+    def plan(self, **fields: Any) -> DraftPlan:
+        """A plan with this policy and `fields` (the draft's layers: an exit after layer 0 unless given)."""
+        if "layers" not in fields and "exit_layer" not in fields:
+            fields["exit_layer"] = 1
+        return DraftPlan(**fields, **dataclasses.asdict(self))
 
     def plan_fields(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields this policy reads (those it ignores hold their defaults, and are left out)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ignored_fields(self.plan())}
 
     def describe(self) -> str:
+        if self.policy == "cost":
+            prior = f", prior {self.target_acceptance:g}" if self.target_acceptance != 0.8 else ""
+            return f"k<={self.draft_length} by cost{prior}"
         if not self.adaptive:
             return f"k={self.draft_length}"
         if self.threshold_step == 0:
@@ -52,17 +71,11 @@ class Policy:
 
 
 def policy_grid(max_draft_length: int = 8) -> list[Policy]:
-    """Fixed k = 1..max; a fixed confidence threshold; Draft & Verify's moving threshold.
+    """The cost policy (the runtime's default) with most draft lengths 1..max.
 
-    Simpler policies come first, so on a tie the simpler one is kept.
+    Shorter first, so on a tie the shorter one is kept.
     """
-    grid = [Policy(k) for k in range(1, max_draft_length + 1)]
-    longs = sorted({max(2, max_draft_length // 2), max_draft_length})
-    for k in longs:
-        grid += [Policy(k, adaptive=True, threshold=t / 10, threshold_step=0.0) for t in range(1, 10)]
-    for k in longs:
-        grid += [Policy(k, adaptive=True, threshold=0.5, target_acceptance=a) for a in (0.6, 0.7, 0.8, 0.9)]
-    return grid
+    return [Policy(k) for k in range(1, max_draft_length + 1)]
 
 
 @dataclass
@@ -146,42 +159,54 @@ def simulate(
     policy: Policy,
     *,
     limits: Sequence[int],
-    round_cost: Callable[[int], tuple[float, float]],
+    costs: PassCosts,
+    exact_prefix: int = 0,
+    prompt_lengths: Sequence[int] | None = None,
 ) -> Simulation:
-    """Replay the engine's decode loop for `policy` on measured agreements.
+    """Replay the engine's greedy decode loop for `policy` on measured agreements.
 
     `limits[i]`: max_new_tokens of sequence i (its generated length is
     len(matches[i]) + 1; fewer than the limit means EOS came first).
-    `round_cost(n)`: (draft cost, verify cost) of a round that drafts n tokens.
-    The draft-length rule is the engine's own `AdaptivePolicy`, fed with costs.
+    `costs`: the plan's cost table (seconds; its draft step is the layer
+    set's), which prices every round and which the cost policy decides
+    with, as a generation wrapped with `costs=` that table does;
+    `exact_prefix`: the layers a verify pass resumes after;
+    `prompt_lengths[i]`: sequence i's prompt (the context a pass is priced at).
+    The policy is the engine's (`policy_for`), through the contract the
+    rounds use; like the engine's greedy calls, a cost policy carries what it
+    learned from one sequence to the next.
     """
     rounds = drafted_total = accepted_total = emitted_total = sequences = 0
     cost = 0.0
-    plan_like = DraftPlan(exit_layer=1, **policy.plan_fields())
+    plan = policy.plan()
+    runtime = RuntimeCosts(costs, learn=False)
+    shared = policy_for(plan, runtime, exact_prefix=exact_prefix) if plan.policy == "cost" else None
     for index, limit in enumerate(limits):
         generated = len(agreement.matches[index]) + 1
         runs = agreement.accepted_runs(index)
-        state = AdaptivePolicy(plan_like)
+        state = shared or policy_for(plan, runtime, exact_prefix=exact_prefix)
         emitted = 1  # the prefill's token
         while emitted < generated:
-            budget = min(state.budget(), limit - emitted - 1)
             first = emitted - 1  # the round's first drafted token comes from generated input `first`
-            n = budget
-            threshold = state.threshold
-            if threshold is not None:
-                for i in range(budget):
-                    confidence = agreement.confidence(index, first, i)
-                    if confidence is None or confidence < threshold:
-                        n = i + 1
-                        break
+            context = (prompt_lengths[index] if prompt_lengths is not None else 0) + first
+            state.begin_round(min(plan.draft_length, limit - emitted - 1), context=context)
+            confidences: list[float] = []
+            confidence = None
+            while state.draft_next(len(confidences), confidence):
+                confidence = agreement.confidence(index, first, len(confidences))
+                confidence = 0.0 if confidence is None else confidence  # past the data (EOS came): unsure
+                confidences.append(confidence)
+            n = len(confidences)
             accepted = min(runs[first] if first < len(runs) else 0, n)
-            draft_cost, verify_cost = round_cost(n)
-            cost += draft_cost + verify_cost
+            draft_seconds = n * costs.draft_seconds(context)
+            verify_seconds = costs.verify_seconds(n + 1, exact_prefix, context)
+            cost += (draft_seconds + verify_seconds) / costs.step
             rounds += 1
             drafted_total += n
             accepted_total += accepted
             emitted = min(emitted + accepted + 1, generated)
-            state.update(drafted=n, accepted=accepted, draft_seconds=draft_cost, verify_seconds=verify_cost)
+            draft = Draft([0] * n, None, [], confidences=confidences)  # the tokens themselves do not matter here
+            state.observe(draft, accepted, draft_seconds=draft_seconds, verify_seconds=verify_seconds, width=n + 1)
         emitted_total += generated
         sequences += 1
     return Simulation(rounds, drafted_total, accepted_total, emitted_total, sequences, cost)
