@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptance import accept_greedy, accept_sampling
-from .cpu_kernels import NO_ATTENTION_CHANGE, NO_CHANGE, AttentionKernels, LinearKernels, cpu_kernels
+from .cpu_kernels import NO_ATTENTION_CHANGE, NO_CHANGE, AttentionKernels, LinearKernels, chosen_kernels, cpu_kernels
 from .costs import MEASURE_CONTEXT, PassCosts, RuntimeCosts, fastest, interpolate, long_context, machine_description
 from .hf_generation import GenerationSettings
 from .ngram import NgramIndex, agreement
@@ -201,7 +201,10 @@ class BatchRunner(LayerRunner):
             cache.lengths[rows.start + j] = start + q
         if last:
             hidden = hidden[:, -1:]
-        return soft_cap(self.parts.lm_head(self.parts.norm(hidden)), self.parts.logit_softcap).float()
+        normed = self.parts.norm(hidden)
+        with chosen_kernels(normed):  # the LM head on the kernel this thread chose (`cpu_kernels.py`)
+            logits = self.parts.lm_head(normed)  # [r, q, vocab]
+        return soft_cap(logits, self.parts.logit_softcap).float()
 
     def row_mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """`[r, 1, q, span]` mask from `[r, q, span]`: bool for sdpa, additive for eager."""
