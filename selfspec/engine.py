@@ -6,14 +6,13 @@ round computes. A round drafts up to k tokens through the plan's layers,
 verifies them in one pass of the remaining layers, keeps the accepted prefix
 plus the target's own next token, and crops the cache back to what was kept.
 
-The cache lives for one `generate()` call and is dropped with it, so a
-generation that raises (a streamer that throws, Ctrl-C) leaves nothing
-behind; the model itself is only ever read. With `step="graphs"` the cache
-and its CUDA graphs stay with the wrapped model (the graphs hold its
-addresses); each call starts by emptying it, so nothing carries over either.
+The cache lives for one `generate()` call, so a generation that raises
+leaves nothing behind; the model itself is only ever read. With `step="graphs"` the cache and its CUDA graphs stay with the
+wrapped model (the graphs hold its addresses); each call empties it first.
 
-How a pass runs is the step's business: the eager rounds are below; the
-static step's rounds (one read back per round) are `static_loop.py`.
+The eager rounds are below; the static step's are `static_loop.py`. It
+does not choose kernels (`kernel_choice.py`) nor key cost tables
+(`cost_tables.py`).
 """
 
 from __future__ import annotations

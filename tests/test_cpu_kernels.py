@@ -170,6 +170,43 @@ def test_the_attention_entry_runs_the_kernel_chosen_for_the_queries_and_entries_
         AttentionKernels.from_dict({"queries": [1], "keys": [64], "kernels": [["flash"]]})
 
 
+def test_transformers_modules_sdpa_calls_run_the_kernel_chosen_for_the_queries_and_entries_else_torchs(monkeypatch):
+    """Under `chosen_kernels` (transformers' own modules), torch's sdpa as transformers calls it: K/V heads shared
+    by `enable_gqa`, copied per query head, or a mask of one row for every query; anything else to torch's."""
+    ran = []
+    for name in ATTENTION_FUNCTIONS:
+        real = ATTENTION_FUNCTIONS[name]
+        monkeypatch.setitem(ATTENTION_FUNCTIONS, name, lambda *a, _n=name, _r=real: ran.append(_n) or _r(*a))
+    choice = AttentionKernels((1, 4), (64, 1024), (("packed", "float32"), ("sdpa", "float32")))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def attend(heads, kv_heads, q, kv, *, masked=True, one_row=False, **options):
+        query, key, value, mask = _attention_inputs(heads, kv_heads, 1, q, kv, masked=masked)
+        if one_row:
+            mask = mask[:, :, :1]  # [1, 1, 1, kv]: broadcast over the queries
+        options.setdefault("enable_gqa", heads != kv_heads)
+        expected = sdpa(query, key, value, attn_mask=mask, scale=0.3, **options)
+        with cpu_kernels.cpu_kernels(attention=choice), chosen_kernels(torch.zeros(1, q, 8)):
+            out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3,
+                                                                   **options)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+        return ran.pop() if ran else "torch"
+
+    assert attend(6, 2, 1, 9, masked=False) == "packed"  # one query, K/V shared by enable_gqa
+    assert attend(6, 2, 1, 2000, masked=False) == "float32"
+    assert attend(6, 6, 3, 12) == "packed"  # K/V copied per query head (a mask: transformers' repeat_kv)
+    assert attend(2, 2, 3, 12, one_row=True) == "packed"  # one query's grouped heads as queries
+    assert attend(6, 2, 5, 2000) == "float32"
+    assert attend(6, 2, 5, 80) == "torch"  # sdpa chosen: torch's own
+    assert attend(6, 2, 3, 3, masked=False, is_causal=True) == "torch"  # causal: torch's own
+    assert attend(6, 6, 1, 9, masked=False, dropout_p=0.0) == "packed"
+    query, key, value, mask = _attention_inputs(6, 6, 1, 1, 9, masked=True)
+    additive = torch.zeros(mask.shape, dtype=query.dtype).masked_fill(~mask, float("-inf"))
+    with cpu_kernels.cpu_kernels(attention=choice):
+        cpu_kernels.chosen_sdpa(query, key, value, attn_mask=additive, scale=0.3)  # a float mask: torch's own
+    assert not ran
+
+
 def test_measuring_times_every_attention_kernel_that_applies_on_the_heads_shape(monkeypatch):
     timed = []
     real = cpu_kernels.fastest
