@@ -5,7 +5,8 @@ threads, processor, the step's shapes, a quantization and the CPU kernels
 the passes ran with; not the plan, whose verify passes are every plan's (a
 plan's draft step is keyed apart, and batched passes by their row count).
 `CostTables` loads a table or has it measured, keeps one per thread count
-and device in memory, and writes back what the rounds refined.
+and device in memory, and writes back what the rounds refined. A profile
+handed in (`handed_costs`) prices a draft by the weights it reads.
 
 It does not time a pass itself (the caller hands it the measurement) and
 does not decide anything from a table.
@@ -19,11 +20,16 @@ from collections.abc import Callable
 import torch
 
 from .artifacts import model_identity
+from .auto_layers import layer_weights
 from .batch import measure_batch_costs
 from .costs import (PassCosts, RuntimeCosts, cache_key, costs_cache_dir, load_costs, load_or_measure, machine_description,
                     save_costs)
+from .draft import Drafter
+from .head import ExitHead
 from .kernel_choice import KernelChoice
+from .memory import parameter_bytes, tensor_bytes
 from .parts import ModelParts
+from .vocab import DraftVocab
 
 
 class CostTables:
@@ -102,3 +108,32 @@ class CostTables:
             self.batch[key] = RuntimeCosts(table)
         runtime = self.batch[key]
         return runtime if learn else RuntimeCosts(runtime.table, learn=False)
+
+
+def handed_costs(costs: PassCosts | str | None, *, max_width: int, num_layers: int,
+                 draft_fraction: Callable[[], float]) -> PassCosts | None:
+    """The table `wrap(costs=...)` hands in: None (measure here), a `PassCosts`, or a profile's, its draft priced
+    at `draft_fraction()` of a plain step."""
+    if costs is None or isinstance(costs, PassCosts):
+        return costs
+    if isinstance(costs, str):
+        return PassCosts.profile(costs, max_width=max_width, num_layers=num_layers, draft_fraction=draft_fraction())
+    raise ValueError(f"costs must be None, a PassCosts table or a profile name ('linear', 'flat'), got {costs!r}")
+
+
+def draft_read_fraction(parts: ModelParts, drafter: Drafter, *, head: ExitHead | None,
+                        vocab: DraftVocab | None) -> float:
+    """The weights one drafted token reads, in plain steps: its layers (an exit head's included) and the LM
+    head, or the draft vocabulary's rows (a profile's draft price: where a pass costs what it reads).
+
+    A model whose LM head is most of a plain step's weights reads far more than half a step in half its layers.
+    """
+    if not drafter.has_layers:
+        return 0.0  # n-gram and recycled drafts run nothing
+    layers, head_bytes = layer_weights(parts)  # bytes per layer; the LM head with the final norm
+    plain = sum(layers) + head_bytes
+    if head is not None:
+        layers.append(float(parameter_bytes([head.layer])))
+    drafted = sum(layers[i] for i in (*drafter.prefix_layers, *drafter.other_layers))
+    rows = head_bytes if vocab is None else float(tensor_bytes(vocab.weight))
+    return (drafted + rows) / plain

@@ -26,7 +26,7 @@ from .acceptance import accept_greedy, accept_sampling
 from .adapter import Adapter
 from .auto_layers import AutoLayers, layer_weights
 from .batch import BatchSession
-from .cost_tables import CostTables
+from .cost_tables import CostTables, draft_read_fraction, handed_costs
 from .costs import PassCosts, RuntimeCosts, measure_pass_costs
 from .cpu_kernels import AttentionKernels, LinearKernels
 from .draft import Draft, Drafter
@@ -34,7 +34,7 @@ from .head import ExitHead, load_head
 from .hf_generation import GenerationSettings, resolve_settings
 from .inputs import check_context, check_prompts
 from .kernel_choice import KernelChoice, check_choice
-from .memory import MemoryReport, memory_report, parameter_bytes, tensor_bytes
+from .memory import MemoryReport, memory_report
 from .output import Clock, Output
 from .parts import ModelParts, text_config
 from .passes import TargetPasses
@@ -127,7 +127,8 @@ class SelfSpecModel:
         self.passes = TargetPasses(self.parts.num_layers, exact_prefix=self.drafter.exact_prefix, head=self.head)
         self.layer_weights = layer_weights(self.parts) if plan.auto else None  # what each layer costs a draft
         self.max_width = max(plan.draft_length, plan.tree) + 1  # the widest verify pass (a chain, or a tree)
-        self.injected_costs = self._injected(costs)
+        self.injected_costs = handed_costs(costs, max_width=self.max_width, num_layers=self.parts.num_layers,
+                                           draft_fraction=self.draft_read_fraction)
         self.step = self._resolve_step(step)
         self.kernel_choice = KernelChoice(model, self.parts, quantization=self.quantization, choice=kernels)
         self.cost_tables = CostTables(model, self.parts, kernels=self.kernel_choice, quantization=self.quantization,
@@ -195,29 +196,9 @@ class SelfSpecModel:
     def _runtime_costs(self) -> RuntimeCosts:
         return self.cost_tables.runtime(self.measure_costs)
 
-    def _injected(self, costs: PassCosts | str | None) -> PassCosts | None:
-        if costs is None or isinstance(costs, PassCosts):
-            return costs
-        if isinstance(costs, str):
-            return PassCosts.profile(costs, max_width=self.max_width, num_layers=self.parts.num_layers,
-                                     draft_fraction=self.draft_read_fraction())
-        raise ValueError(f"costs must be None, a PassCosts table or a profile name ('linear', 'flat'), got {costs!r}")
-
     def draft_read_fraction(self) -> float:
-        """The weights one drafted token reads, in plain steps: its layers (an exit head's included) and the LM
-        head, or the draft vocabulary's rows (a profile's draft price: where a pass costs what it reads).
-
-        Gemma 3 270M's LM head is 63% of a plain step's weights, so half its layers read 0.81 of a step, not 0.5.
-        """
-        if not self.drafter.has_layers:
-            return 0.0  # n-gram and recycled drafts run nothing
-        layers, head = layer_weights(self.parts)  # bytes per layer; the LM head with the final norm
-        plain = sum(layers) + head
-        if self.head is not None:
-            layers.append(float(parameter_bytes([self.head.layer])))
-        drafted = sum(layers[i] for i in (*self.drafter.prefix_layers, *self.drafter.other_layers))
-        rows = head if self.vocab is None else float(tensor_bytes(self.vocab.weight))
-        return (drafted + rows) / plain
+        """The weights one drafted token reads, in plain steps (`cost_tables.draft_read_fraction`)."""
+        return draft_read_fraction(self.parts, self.drafter, head=self.head, vocab=self.vocab)
 
     def measure_costs(self, *, cached: bool = True, repeats: int = 3) -> PassCosts:
         """Time the passes this plan uses here (see `costs.py`); `cached=False` measures afresh."""
