@@ -3,7 +3,8 @@
 An adapter's `layer_call` picks one of these functions. Each takes a layer
 module, the hidden states `[1, q, hidden]` and what the engine prepared (mask,
 rotary embeddings, position ids, the shared cache) and returns the layer's
-output hidden states `[1, q, hidden]`. Nothing here keeps state.
+output hidden states `[1, q, hidden]`, on the CPU kernels the calling thread
+chose (`cpu_kernels.py`; none swapped for anyone else). Nothing here keeps state.
 """
 
 from __future__ import annotations
