@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cpu_kernels import chosen_kernels
 from .costs import MEASURE_CONTEXT, PassCosts, fastest, interpolate, long_context, machine_description
 from .head import ExitHead
 from .parts import ModelParts, soft_cap
@@ -192,7 +193,10 @@ class BatchRunner(LayerRunner):
             self.cache.lengths[rows.start + j] = start + ids.shape[1]
         if last:
             hidden = hidden[:, -1:]
-        return soft_cap(self.parts.lm_head(self.parts.norm(hidden)), self.parts.logit_softcap).float()
+        normed = self.parts.norm(hidden)
+        with chosen_kernels(normed):  # the LM head on the kernel this thread chose (`cpu_kernels.py`)
+            logits = self.parts.lm_head(normed)  # [r, q, vocab]
+        return soft_cap(logits, self.parts.logit_softcap).float()
 
     def draft_rows(self, ids: torch.Tensor, starts: list[int], rows: slice, layers,
                    vocab: DraftVocab | None = None) -> torch.Tensor:

@@ -1,66 +1,34 @@
-"""Kernel choices for passes on the CPU: the attention kernel and the kernel each linear layer runs, each
-where this machine runs it faster (measured here, on the model's own shapes).
+"""Kernel choices for passes on the CPU: the attention kernel and each linear layer's kernel, where this
+machine runs them faster, measured on the model's own shapes.
 
-Two things transformers leaves slow for the passes speculation makes (a few
-tokens, or a few tokens on each of several rows), and one it leaves slow
-everywhere on some CPUs:
+`AttentionKernels` picks, by queries and cache entries, among sdpa as transformers calls it, `packed` (grouped
+query heads folded into the query length) and `float32` (three plain operations). `LinearKernels` picks, by GEMM
+rows, among `F.linear`, (W x^T)^T, oneDNN's matmul and `aten` (F.linear with oneDNN off).
 
-- **The attention kernel** (`AttentionKernels`). transformers hands every
-  pass to sdpa, K/V heads shared by `enable_gqa` (or copied, `repeat_kv`).
-  On some CPUs that kernel is slow for few queries: in bfloat16 on an
-  AVX512 CPU, one query over 1,024 cache entries of SmolLM2's heads took
-  0.45 ms a layer, of Gemma 3 270M's 0.85 ms. Two others compute the same:
-  `packed` folds the query heads that share a K/V head into its query
-  length (`[b, kv_heads, groups * q, d]`, the mask repeated over the groups;
-  one sdpa call over K/V as they are): 0.07 ms for both; and `float32` runs
-  scores, softmax and sum as three plain operations in float32. Which wins
-  depends on the dtype, the heads, the queries and the entries (packed lost
-  to sdpa for 17 queries on Gemma's one K/V head, 0.84 against 0.58 ms), so
-  `measure_attention_kernels` times each on the model's head shape for 1..32
-  queries over 64..4,096 entries and keeps the fastest where it beats sdpa by 5%.
-- **The linear layers' kernel** (`LinearKernels`). `F.linear(x, W)`
-  computes x W^T with the BLAS torch was built with (MKL on x86). For a few
-  rows of x that BLAS may be much faster at (W x^T)^T on some machines
-  (AVX512 CPU, float32, SmolLM2's layers: 13 ms against 37 ms for 2 rows)
-  and slower on others (the same CPU in bfloat16); and on some CPUs oneDNN's
-  matmul, over the same weight in place, beats it at every row count (an
-  AMD EPYC in float32: half the time, prefills included). And where torch
-  hands a 16-bit GEMM to oneDNN, torch's own GEMM may stream the weights
-  faster for one or two rows (`aten`: the same call with oneDNN switched
-  off for it; an AMD EPYC with AVX512-BF16, SmolLM2 in bfloat16: a plain
-  step 24 ms against 39 ms, while from 4 rows on oneDNN wins).
-  `measure_linear_kernels` times each kernel that runs here on the model's
-  own weights for row counts 1..256 and keeps the fastest where it beats
-  `F.linear` by 5%.
+A choice holds in the thread inside `cpu_kernels(...)`, for selfspec's own calls: layers selfspec computes use
+`linear_function()` and `attention_function()`; transformers' modules run under `chosen_kernels(hidden)`, a
+per-thread torch function mode. No function is swapped. One process-wide switch remains: `aten` turns oneDNN
+off for its call, under a lock other selfspec calls take; another caller's GEMM may then run torch's own.
 
-Both are installed while a thread is inside `cpu_kernels(...)`: the
-functions transformers calls (`torch.nn.functional.linear` and its "sdpa"
-attention entry) are swapped process-wide while any thread is inside, and
-dispatch on that thread's choice, so a call from elsewhere (another
-thread's `model.generate`) runs the original functions. oneDNN's switch is
-process-wide too: while a thread's `aten` call has it off, every other
-linear call waits (they all pass through the swapped function), but another
-thread's matmul outside a linear layer may then run torch's GEMM (the same
-sums, rounded in another order). All compute the same sums in another
-order, in the precision sdpa keeps them (float rounding apart; greedy
-equality with `model.generate` is exact in float64).
-
-This module does not know plans, caches or when a pass is worth running.
+All compute the same sums in another order. This module does not know plans, caches or when a pass pays.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import threading
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .costs import fastest
 
-_linear = torch.nn.functional.linear  # F.linear as this module found it: what "linear" runs, swapped or not
+_linear = torch.nn.functional.linear  # torch's F.linear: what "linear" runs
+_sdpa = torch.nn.functional.scaled_dot_product_attention  # torch's sdpa
 
 # GEMM row counts timed by `measure_linear_kernels`; a count in between takes the choice of the one below, and a
 # count beyond the last (a long prefill) the last one's.
@@ -148,10 +116,7 @@ ONEDNN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what its matmu
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` by oneDNN's matmul over the weight as it is (no packed copy kept): x `[..., in]`,
     weight `[out, in]` -> `[..., out]`. Inference only (no autograd); float32 and 16-bit floats, not float64.
-
-    Where the BLAS torch calls is slow for this CPU (MKL on an AMD EPYC, float32: half oneDNN's speed at every
-    row count, measured), this is the same sums in another order.
-    """
+    Where the BLAS torch calls is slow on a CPU, this is the same sums in another order."""
     flat = x.reshape(-1, x.shape[-1]).contiguous()  # [m, in]
     out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")  # [m, out]
     return out.view(*x.shape[:-1], weight.shape[0])
@@ -173,13 +138,14 @@ def onednn_usable(weight: torch.Tensor) -> bool:
 
 
 _switch = threading.Lock()  # held while a thread has oneDNN switched off (`aten_linear`)
+_lock = threading.Lock()
 _aten_threads = 0  # threads inside `cpu_kernels` whose choice runs `aten_linear` somewhere (under `_lock`)
 
 
 def aten_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` with oneDNN switched off for the call: where torch would hand a 16-bit GEMM
     to oneDNN, its own GEMM runs it (the same sums in another order). The switch is process-wide: it is held
-    under `_switch`, which the swapped `F.linear` of every other thread waits on."""
+    under `_switch`, which `chosen_linear` in every other thread waits on (a call from outside selfspec does not)."""
     with _switch:
         was = torch._C._get_mkldnn_enabled()
         torch._C._set_mkldnn_enabled(False)
@@ -227,13 +193,9 @@ def measure_linear_kernels(modules: list[nn.Module], *, repeats: int = 3) -> Lin
     return LinearKernels(LINEAR_ROWS, tuple(best(m) for m in LINEAR_ROWS))
 
 
-# --------------------------------------------------------------------------- the swapped functions
+# --------------------------------------------------------------------------- this thread's choice
 
 _state = threading.local()  # this thread's choice: .attention (AttentionKernels), .linear (LinearKernels)
-_lock = threading.Lock()
-_inside = 0  # threads inside `cpu_kernels` (the functions are swapped while > 0)
-_attention_before: tuple[bool, object] = (False, None)  # the "sdpa" entry's local override before the swap
-_attention_original = None  # the "sdpa" function in effect before the swap: what a plain pass calls
 
 
 def chosen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -295,9 +257,8 @@ def float32_attention(query, key, value, mask, scale) -> torch.Tensor:
     """Attention as three plain operations (scores, softmax, weighted sum), all in float32 or wider whatever the
     dtype, grouped heads folded (`fold_grouped_heads`). Same arguments and result as `sdpa_attention`.
 
-    Where sdpa's kernel is slow for few queries (bfloat16 on some CPUs: one query over 1,024 entries of SmolLM2's
-    heads, 0.45 ms against 0.08, measured on an AVX512 CPU) this is the same sums, in float32 as the kernel keeps
-    them, in another order; it holds a `[b, kv_heads, groups * q, kv]` float32 score matrix while it runs.
+    Where sdpa's kernel is slow for few queries (bfloat16 on some CPUs) this is the same sums, in float32 as the
+    kernel keeps them, in another order; it holds a `[b, kv_heads, groups * q, kv]` float32 score matrix.
     """
     b, heads, q, d = query.shape
     folded, mask = fold_grouped_heads(query, mask, key.shape[1])
@@ -332,6 +293,12 @@ class AttentionKernels:
 
     def __bool__(self) -> bool:  # some pass runs another kernel
         return any(kernel != "sdpa" for row in self.kernels for kernel in row)
+
+    def changes(self, q: int) -> bool:
+        """Whether some pass of q queries (over any number of entries) runs another kernel."""
+        if not self.queries or q > self.queries[-1] * 2 - 1:
+            return False
+        return any(kernel != "sdpa" for kernel in self.kernels[max(bisect.bisect_right(self.queries, q) - 1, 0)])
 
     def describe(self) -> str:
         """Per query count, the kernel from each entry count on: "1 query: packed from 64; 4: float32 from 1024"."""
@@ -405,8 +372,8 @@ def measure_attention_kernels(*, heads: int, kv_heads: int, head_dim: int, dtype
 def chosen_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa attention entry, by the kernel this thread's `AttentionKernels` chose for the pass's
-    queries and cache entries.
+    """transformers' "sdpa" attention function, by the kernel this thread's `AttentionKernels` chose for the
+    pass's queries and cache entries (what `attention_function("sdpa", ...)` gives a layer selfspec computes).
 
     query `[b, heads, q, d]`, key and value `[b, kv_heads, kv, d]`, a bool
     mask `[b or 1, 1, q, kv]` or None; returns `[b, q, heads, d]`, as
@@ -423,7 +390,7 @@ def chosen_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
             if not any(kwargs.get(option) is not None for option in CHANGED_ATTENTION):
                 kernel = choice(q, key.shape[2])
     if kernel == "sdpa":
-        return _attention_original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+        return _registry()["sdpa"](module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                    is_causal=is_causal, **kwargs)
     mask = None if attention_mask is None else attention_mask[:, :, :, : key.shape[2]]
     scale = d**-0.5 if scaling is None else scaling
@@ -431,46 +398,101 @@ def chosen_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     return out.transpose(1, 2).contiguous(), None  # [b, q, heads, d]
 
 
+def chosen_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                enable_gqa: bool = False) -> torch.Tensor:
+    """torch's `scaled_dot_product_attention`, by the kernel this thread's `AttentionKernels` chose for its
+    queries and entries: what transformers' modules call under `chosen_kernels`.
+
+    query `[b, heads, q, d]`, key and value `[b, kv_heads, kv, d]` (kv_heads = heads, or sharing by
+    `enable_gqa`), no mask (not causal) or a bool mask `[b or 1, 1, q or 1, kv]` -> `[b, heads, q, d]`. Anything
+    else (dropout, `is_causal`, a float mask, another device) goes to torch's own function.
+    """
+    choice = getattr(_state, "attention", NO_ATTENTION_CHANGE)
+    kernel = "sdpa"
+    if (choice and query.device.type == "cpu" and not dropout_p and not is_causal and query.dim() == key.dim() == 4
+            and key.shape == value.shape and key.shape[0] == query.shape[0] and key.shape[-1] == query.shape[-1]
+            and query.shape[1] % key.shape[1] == 0 and (enable_gqa or query.shape[1] == key.shape[1])):
+        b, _, q, _ = query.shape
+        mask = attn_mask
+        if mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[0] in (1, b)
+                            and mask.shape[1] == 1 and mask.shape[2] in (1, q) and mask.shape[3] == key.shape[2]):
+            kernel = choice(q, key.shape[2])
+    if kernel == "sdpa":
+        return _sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                     enable_gqa=enable_gqa)
+    if mask is not None and mask.shape[2] != q:
+        mask = mask.expand(-1, -1, q, -1)  # one row for every query
+    return ATTENTION_FUNCTIONS[kernel](query, key, value, mask, query.shape[-1] ** -0.5 if scale is None else scale)
+
+
+@functools.cache
+def _registry():
+    """transformers' attention registry, imported on first use (its module loads much of transformers)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS
+
+
+def linear_function():
+    """What a layer selfspec computes calls for `F.linear`: `chosen_linear` where this thread chose linear kernels,
+    else torch's own (looked up once per layer call)."""
+    return chosen_linear if getattr(_state, "linear", NO_CHANGE) else _linear
+
+
+def attention_function(implementation: str, default):
+    """What a layer selfspec computes calls for transformers' attention `implementation` (`default`: its eager
+    function): `chosen_attention` for "sdpa" where this thread chose attention kernels, else transformers' own."""
+    if implementation == "sdpa" and getattr(_state, "attention", NO_ATTENTION_CHANGE):
+        return chosen_attention
+    return _registry().get_interface(implementation, default)
+
+
+def _mode_linear(input, weight, bias=None):  # F.linear's parameter names
+    return chosen_linear(input, weight, bias)
+
+
+class _ChosenKernels(TorchFunctionMode):
+    """`F.linear` and sdpa on this thread's choice; every other torch call as it is. A torch function mode is
+    pushed on the entering thread's stack alone: no other thread sees it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is _linear:
+            return _mode_linear(*args, **(kwargs or {}))
+        if func is _sdpa:
+            return chosen_sdpa(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def chosen_kernels(hidden: torch.Tensor):
+    """The context for a call of transformers' modules on `hidden` `[..., q, d]`: in this thread, their `F.linear`
+    and sdpa calls run the kernels chosen (`chosen_linear`, `chosen_sdpa`); nothing is entered where the thread
+    chose nothing for a pass of this shape (every torch call in the mode pays a Python call)."""
+    linear = getattr(_state, "linear", NO_CHANGE)
+    attention = getattr(_state, "attention", NO_ATTENTION_CHANGE)
+    if not (linear or attention) or hidden.dim() < 2 or not hidden.shape[-1]:
+        return contextlib.nullcontext()
+    if linear(hidden.numel() // hidden.shape[-1]) == "linear" and not attention.changes(hidden.shape[-2]):
+        return contextlib.nullcontext()
+    return _ChosenKernels()
+
+
 @contextlib.contextmanager
 def cpu_kernels(*, attention: AttentionKernels | None = None, linear: LinearKernels | None = None):
     """Within: this thread's passes use the attention (`attention`) and linear kernels (`linear`) chosen;
-    None keeps the enclosing choice. Nests; restores the thread's choice and, when the last thread leaves,
-    the original functions. Choosing nothing swaps nothing."""
-    global _inside, _attention_before, _attention_original, _aten_threads
-    # Imported here: transformers' modeling_utils loads its quantization back ends (and their warnings) on import.
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
+    None keeps the enclosing choice. Nests; restores the thread's choice. Nothing another thread runs changes."""
+    global _aten_threads
     saved = (getattr(_state, "attention", NO_ATTENTION_CHANGE), getattr(_state, "linear", NO_CHANGE))
     chosen = (saved[0] if attention is None else attention, saved[1] if linear is None else linear)
-    if not chosen[0] and not chosen[1]:  # nothing to change (a GPU, say): transformers' functions, not swapped
-        _state.attention, _state.linear = chosen
-        try:
-            yield
-        finally:
-            _state.attention, _state.linear = saved
-        return
-    with _lock:
-        if _inside == 0:
-            local = ALL_ATTENTION_FUNCTIONS._local_mapping
-            _attention_before = ("sdpa" in local, local.get("sdpa"))
-            _attention_original = ALL_ATTENTION_FUNCTIONS["sdpa"]
-            ALL_ATTENTION_FUNCTIONS["sdpa"] = chosen_attention
-            torch.nn.functional.linear = chosen_linear
-        _inside += 1
-        aten = "aten" in chosen[1].kernels
-        _aten_threads += aten
+    aten = "aten" in chosen[1].kernels
+    if aten:
+        with _lock:
+            _aten_threads += 1
     _state.attention, _state.linear = chosen
     try:
         yield
     finally:
         _state.attention, _state.linear = saved
-        with _lock:
-            _inside -= 1
-            _aten_threads -= aten
-            if _inside == 0:
-                torch.nn.functional.linear = _linear
-                had, entry = _attention_before
-                if had:
-                    ALL_ATTENTION_FUNCTIONS["sdpa"] = entry
-                else:
-                    del ALL_ATTENTION_FUNCTIONS["sdpa"]
+        if aten:
+            with _lock:
+                _aten_threads -= 1

@@ -6,20 +6,18 @@ round computes. A round drafts up to k tokens through the plan's layers,
 verifies them in one pass of the remaining layers, keeps the accepted prefix
 plus the target's own next token, and crops the cache back to what was kept.
 
-The cache lives for one `generate()` call and is dropped with it, so a
-generation that raises (a streamer that throws, Ctrl-C) leaves nothing
-behind; the model itself is only ever read. With `step="graphs"` the cache
-and its CUDA graphs stay with the wrapped model (the graphs hold its
-addresses); each call starts by emptying it, so nothing carries over either.
+The cache lives for one `generate()` call, so a generation that raises
+leaves nothing behind; the model itself is only ever read. With `step="graphs"` the cache and its CUDA graphs stay with the
+wrapped model (the graphs hold its addresses); each call empties it first.
 
-How a pass runs is the step's business: the eager rounds are below; the
-static step's rounds (one read back per round) are `static_loop.py`.
+The eager rounds are below; the static step's are `static_loop.py`. It
+does not choose kernels (`kernel_choice.py`) nor key cost tables
+(`cost_tables.py`).
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 import warnings
 
@@ -27,27 +25,17 @@ import torch
 
 from .acceptance import accept_greedy, accept_sampling
 from .adapter import Adapter
-from .artifacts import model_identity
 from .auto_layers import AutoLayers, layer_weights
 from .batch import BatchSession
-from .batch_runner import measure_batch_costs
-from .costs import (
-    PassCosts,
-    RuntimeCosts,
-    cache_key,
-    costs_cache_dir,
-    load_costs,
-    load_or_measure,
-    machine_description,
-    measure_pass_costs,
-    save_costs,
-)
-from .cpu_kernels import (LINEAR_KERNELS, NO_ATTENTION_CHANGE, NO_CHANGE, AttentionKernels, LinearKernels, cpu_kernels,
-                          measure_attention_kernels, measure_linear_kernels)
+from .cost_tables import CostTables, draft_read_fraction, handed_costs
+from .costs import PassCosts, RuntimeCosts, measure_pass_costs
+from .cpu_kernels import AttentionKernels, LinearKernels
 from .draft import Draft, Drafter
 from .head import ExitHead, load_head
 from .hf_generation import GenerationSettings, inferred_padding, resolve_settings
-from .memory import MemoryReport, memory_report, parameter_bytes, tensor_bytes
+from .inputs import check_context, check_prompts
+from .kernel_choice import KernelChoice, check_choice
+from .memory import MemoryReport, memory_report
 from .output import Clock, Output
 from .parts import ModelParts, text_config
 from .passes import TargetPasses
@@ -66,10 +54,6 @@ from .vocab import DraftVocab, load_vocab
 
 STEPS = ("auto", "eager", "static", "graphs")
 GRAPH_CAPACITY_STEP = 256  # a kept graphed runner's capacity is a multiple of this
-
-
-# How the CPU's passes run (`wrap(kernels=...)`): the kernels measured fastest here, or transformers' own.
-KERNEL_CHOICES = ("measured", "transformers")
 
 
 def wrap(
@@ -127,9 +111,7 @@ class SelfSpecModel:
         self, model, *, adapter: Adapter, plan: DraftPlan, costs: PassCosts | str | None = None, step: str = "auto",
         kernels: str = "measured",
     ) -> None:
-        if kernels not in KERNEL_CHOICES:
-            raise ValueError(f"kernels must be one of {', '.join(map(repr, KERNEL_CHOICES))}, got {kernels!r}")
-        self.kernel_choice = kernels
+        check_choice(kernels)
         self.model = model
         self.adapter = adapter
         self.parts: ModelParts = adapter.bind(model)
@@ -146,12 +128,13 @@ class SelfSpecModel:
         self.passes = TargetPasses(self.parts.num_layers, exact_prefix=self.drafter.exact_prefix, head=self.head)
         self.layer_weights = layer_weights(self.parts) if plan.auto else None  # what each layer costs a draft
         self.max_width = max(plan.draft_length, plan.tree) + 1  # the widest verify pass (a chain, or a tree)
-        self.injected_costs = self._injected(costs)
-        self.measured_costs: dict[tuple, RuntimeCosts] = {}  # by (threads, device): a table, refined by the rounds
-        self.batch_costs: dict[tuple, RuntimeCosts] = {}  # by (threads, device, rows): batched passes (`batch.py`)
-        self.linear_choices: dict[int, LinearKernels] = {}  # by threads: the linear layers' kernels (`cpu_kernels.py`)
-        self.attention_choices: dict[int, AttentionKernels] = {}  # by threads: the attention kernel, likewise
+        self.injected_costs = handed_costs(costs, max_width=self.max_width, num_layers=self.parts.num_layers,
+                                           draft_fraction=self.draft_read_fraction)
         self.step = self._resolve_step(step)
+        self.kernel_choice = KernelChoice(model, self.parts, quantization=self.quantization, choice=kernels)
+        self.cost_tables = CostTables(model, self.parts, kernels=self.kernel_choice, quantization=self.quantization,
+                                      step=self.step, plan_name=self.describe_plan(),
+                                      draft_layers=self.drafter.has_layers)
         self.graphed: GraphedRunner | None = None  # kept across generations: its graphs hold its cache's addresses
         self.last_stats: GenerationStats | BatchStats | None = None
         # A recycled-draft plan's successor table (`recycle.py`) lives across greedy generations: it only ever
@@ -212,34 +195,11 @@ class SelfSpecModel:
         return self._runtime_costs().table
 
     def _runtime_costs(self) -> RuntimeCosts:
-        key = (torch.get_num_threads(), str(self.parts.device))
-        if key not in self.measured_costs:
-            self.measured_costs[key] = RuntimeCosts(self.measure_costs())
-        return self.measured_costs[key]
-
-    def _injected(self, costs: PassCosts | str | None) -> PassCosts | None:
-        if costs is None or isinstance(costs, PassCosts):
-            return costs
-        if isinstance(costs, str):
-            return PassCosts.profile(costs, max_width=self.max_width, num_layers=self.parts.num_layers,
-                                     draft_fraction=self.draft_read_fraction())
-        raise ValueError(f"costs must be None, a PassCosts table or a profile name ('linear', 'flat'), got {costs!r}")
+        return self.cost_tables.runtime(self.measure_costs)
 
     def draft_read_fraction(self) -> float:
-        """The weights one drafted token reads, in plain steps: its layers (an exit head's included) and the LM
-        head, or the draft vocabulary's rows (a profile's draft price: where a pass costs what it reads).
-
-        Gemma 3 270M's LM head is 63% of a plain step's weights, so half its layers read 0.81 of a step, not 0.5.
-        """
-        if not self.drafter.has_layers:
-            return 0.0  # n-gram and recycled drafts run nothing
-        layers, head = layer_weights(self.parts)  # bytes per layer; the LM head with the final norm
-        plain = sum(layers) + head
-        if self.head is not None:
-            layers.append(float(parameter_bytes([self.head.layer])))
-        drafted = sum(layers[i] for i in (*self.drafter.prefix_layers, *self.drafter.other_layers))
-        rows = head if self.vocab is None else float(tensor_bytes(self.vocab.weight))
-        return (drafted + rows) / plain
+        """The weights one drafted token reads, in plain steps (`cost_tables.draft_read_fraction`)."""
+        return draft_read_fraction(self.parts, self.drafter, head=self.head, vocab=self.vocab)
 
     def measure_costs(self, *, cached: bool = True, repeats: int = 3) -> PassCosts:
         """Time the passes this plan uses here (see `costs.py`); `cached=False` measures afresh."""
@@ -264,14 +224,7 @@ class SelfSpecModel:
                     draft_only=draft,
                 )
 
-        # The passes are the model's and the machine's: one table for every plan (their draft keys it apart),
-        # timed for the widest plan that asked so far.
-        folder = costs_cache_dir() if cached else None
-        passes = load_or_measure(folder, self._costs_key(), lambda: measure(draft=False),
-                                 usable=lambda table: table.max_width >= self.max_width).up_to(self.max_width)
-        if not self.drafter.has_layers:
-            return passes
-        return passes.with_draft(load_or_measure(folder, self._draft_key(), lambda: measure(draft=True)))
+        return self.cost_tables.load_or_measure(measure, max_width=self.max_width, cached=cached)
 
     def memory(self, *, context: int | None = None) -> MemoryReport:
         """Bytes held: weights as stored, the KV cache for `context` positions, the plan's head and vocabulary.
@@ -288,82 +241,20 @@ class SelfSpecModel:
         return memory_report(self.model, self.parts, context=context, head=self.head, vocab_tensors=vocab,
                              quantization=self.quantization)
 
-    def _draft_key(self) -> str:
-        """The disk cache's key for the plan's draft step (`PassCosts.draft_only`)."""
-        return self._costs_key(draft=self.describe_plan())
-
     def _save_refined(self, costs: RuntimeCosts) -> None:
-        """What the rounds measured replaces the cached tables, for the next process to start from."""
-        refined, folder = costs.refined(), costs_cache_dir()
-        timed = load_costs(folder, self._costs_key())  # a wider plan's widths beyond this one's are kept
-        passes = refined.passes_only()
-        save_costs(folder, self._costs_key(), passes if timed is None else passes.merged_into(timed))
-        if self.drafter.has_layers and refined.draft_step:
-            save_costs(folder, self._draft_key(), refined.draft_only())
-
-    def _costs_key(self, **extra) -> str:
-        """The disk cache's key: the model, dtype, device, threads, processor and kernels (and `extra`): not the
-        plan, whose verify passes are every plan's (a plan's draft step is keyed apart, `_draft_key`)."""
-        device = self.parts.device
-        # A quantized model's passes cost other times than its float twin's (same dtype, same identity).
-        weights = {} if self.quantization is None else {"quantization": self.quantization}
-        step = {} if self.step == "eager" else {"step": self.step}  # other shapes, other costs
-        return cache_key(
-            **weights,
-            **step,
-            model=model_identity(self.model, self.parts),
-            dtype=str(self.parts.dtype),
-            device=str(device),
-            threads=torch.get_num_threads(),
-            machine=machine_description(device),
-            linear=self.linear_kernels().to_dict(),  # the kernels the passes ran with
-            attention=self.attention_kernels().to_dict(),
-            **extra,
-        )
+        self.cost_tables.save_refined(costs)
 
     def linear_kernels(self) -> LinearKernels:
-        """How the linear layers run their passes here (`cpu_kernels.py`): measured once per machine, model,
-        dtype and thread count on the CPU (cached on disk with the cost tables); unchanged elsewhere."""
-        if self.parts.device.type != "cpu" or self.quantization is not None or self.kernel_choice == "transformers":
-            return NO_CHANGE
-        threads = torch.get_num_threads()
-        if threads not in self.linear_choices:
-            key = cache_key(kind="linear kernels", candidates=list(LINEAR_KERNELS),  # a new kernel: timed afresh
-                            model=model_identity(self.model, self.parts),
-                            dtype=str(self.parts.dtype), threads=threads, machine=machine_description(self.parts.device))
-            modules = [*self.parts.layers.modules(), self.parts.lm_head]
-            folder = costs_cache_dir()  # beside the cost tables, in a folder of its own
-            self.linear_choices[threads] = load_or_measure(None if folder is None else folder / "kernels", key,
-                                                           lambda: measure_linear_kernels(modules),
-                                                           kind=LinearKernels)
-        return self.linear_choices[threads]
+        """How the linear layers run their passes here (`kernel_choice.py`)."""
+        return self.kernel_choice.linear()
 
     def attention_kernels(self) -> AttentionKernels:
-        """Which attention kernel the passes run here (`cpu_kernels.py`), by queries and cache entries: measured
-        once per machine, model shape, dtype and thread count on the CPU under sdpa (cached on disk with the
-        linear kernels); unchanged elsewhere."""
-        if (self.parts.device.type != "cpu" or self.parts.attn_implementation != "sdpa"
-                or self.kernel_choice == "transformers"):
-            return NO_ATTENTION_CHANGE
-        threads = torch.get_num_threads()
-        if threads not in self.attention_choices:
-            config = text_config(self.model.config)
-            heads = config.num_attention_heads
-            shape = dict(heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads)
-            key = cache_key(kind="attention kernels", **shape, dtype=str(self.parts.dtype), threads=threads,
-                            max_keys=self.parts.max_positions, machine=machine_description(self.parts.device))
-            folder = costs_cache_dir()
-            self.attention_choices[threads] = load_or_measure(
-                None if folder is None else folder / "kernels", key,
-                lambda: measure_attention_kernels(**shape, dtype=self.parts.dtype, device=self.parts.device,
-                                                  max_keys=self.parts.max_positions),
-                kind=AttentionKernels)
-        return self.attention_choices[threads]
+        """Which attention kernel the passes run here, by queries and cache entries (`kernel_choice.py`)."""
+        return self.kernel_choice.attention()
 
     def kernels(self):
         """The context every pass of this model runs in: the linear and attention kernels chosen here."""
-        return cpu_kernels(linear=self.linear_kernels(), attention=self.attention_kernels())
+        return self.kernel_choice.context()
 
     def _policy(self, settings: GenerationSettings) -> DraftPolicy:
         if self.plan.policy == "fixed" or not self.plan.drafts:
@@ -424,7 +315,8 @@ class SelfSpecModel:
                 sequences = getattr(result, "sequences", result)
                 sequences[:, : input_ids.shape[1]] = input_ids  # the prompt as given, its hidden tokens in place
                 return result
-        prompts = self._check_prompts(input_ids, attention_mask)
+        prompts = check_prompts(input_ids, attention_mask, vocab_size=self.model.get_input_embeddings().num_embeddings,
+                                device=self.parts.lm_head.weight.device)
         if len(prompts) > 1 or len(prompts[0]) < input_ids.shape[1]:
             return self._generate_rows(input_ids, prompts, generation_config=generation_config,
                                        logits_processor=logits_processor, stopping_criteria=stopping_criteria,
@@ -481,21 +373,9 @@ class SelfSpecModel:
     def _batch_costs(self, rows: int, learn: bool) -> RuntimeCosts:
         """What a pass over `rows` rows costs here, by width, and a draft step over them: measured once per row
         count (and cached on disk)."""
-        if self.injected_costs is not None:  # a profile prices each row's share as one sequence's pass
-            table = self.injected_costs
-            return RuntimeCosts(dataclasses.replace(table, verify=tuple(t * rows for t in table.verify),
-                                                    draft_step=table.draft_step * rows), learn=False)
-        key = (torch.get_num_threads(), str(self.parts.device), rows)
-        if key not in self.batch_costs:
-            width = self.plan.draft_length + 1
-            layers = self._batch_draft_layers()
-            draft = {"draft": self.describe_plan()} if layers else {}
-            table = load_or_measure(costs_cache_dir(), self._costs_key(batch_rows=rows, batch_width=width, **draft),
-                                    lambda: measure_batch_costs(self.parts, rows=rows, max_width=width,
-                                                                draft_layers=layers, head=self.head, vocab=self.vocab))
-            self.batch_costs[key] = RuntimeCosts(table)
-        runtime = self.batch_costs[key]
-        return runtime if learn else RuntimeCosts(runtime.table, learn=False)
+        return self.cost_tables.batch_costs(rows, learn, injected=self.injected_costs,
+                                            width=self.plan.draft_length + 1, draft_layers=self._batch_draft_layers(),
+                                            draft=self.describe_plan(), head=self.head, vocab=self.vocab)
 
     def _batch_draft_layers(self) -> tuple[int, ...]:
         """The layers a batch's draft step runs: the plan's (an auto plan's reference set), or 0..E-1 and a head."""
@@ -656,58 +536,7 @@ class SelfSpecModel:
         out.emit(tree.path_tokens(path) + [next_token])
         record_tree_round(policy, stats, draft, path, draft_seconds=draft_seconds, verify_seconds=verify_seconds)
 
-    def _check_prompts(self, input_ids, attention_mask) -> list[list[int]]:
-        """Each row's prompt, its left padding removed; a clear error for anything else."""
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            got = f"a {input_ids.dim()}-d tensor" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
-            raise ValueError(f"input_ids must be a [batch, length] tensor of token ids, got {got}")
-        if input_ids.dtype == torch.bool or input_ids.dtype.is_floating_point or input_ids.dtype.is_complex:
-            raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype} (valid: torch.long)")
-        if input_ids.device.type == "meta":
-            raise ValueError(f"input_ids is on the meta device (no data); valid: the CPU or the model's device "
-                             f"({self.parts.lm_head.weight.device})")
-        batch, length = input_ids.shape
-        if batch < 1:
-            raise ValueError("input_ids has no rows (valid: batch size >= 1)")
-        if length < 1:
-            raise ValueError("input_ids is empty: the prompt needs at least one token")
-        pads = [0] * batch
-        if attention_mask is not None:
-            if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape):
-                shape = list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
-                raise ValueError(f"attention_mask of shape {shape} does not match input_ids of shape "
-                                 f"{list(input_ids.shape)} (valid: the same shape)")
-            for row, mask in enumerate(attention_mask.tolist()):
-                pads[row] = pad = length - sum(1 for m in mask if m)
-                if any(mask[:pad]) or not all(mask[pad:]) or pad == length:
-                    what = "no token" if pad == length else "padding that is not all on the left"
-                    raise ValueError(f"attention_mask row {row} has {what}: {mask} (valid: left padding, 0s then "
-                                     f"at least one 1, as model.generate takes it; tokenizer.padding_side='left')")
-        vocab = self.model.get_input_embeddings().num_embeddings
-        prompts = []
-        for row, pad in enumerate(pads):
-            prompt = input_ids[row, pad:].tolist()
-            if min(prompt) < 0 or max(prompt) >= vocab:
-                position, token = next((pad + i, t) for i, t in enumerate(prompt) if not 0 <= t < vocab)
-                where = f"position {position}" if batch == 1 else f"row {row}, position {position}"
-                raise ValueError(f"input_ids holds token id {token} at {where}, out of range for the "
-                                 f"model's vocabulary of {vocab} tokens (valid: 0..{vocab - 1})")
-            prompts.append(prompt)
-        return prompts
-
     def _check_context(self, prompt_length: int, max_new_tokens: int | None) -> None:
         """The prompt, and the prompt with `max_new_tokens` more (when given), must fit in the context."""
-        context = getattr(text_config(self.model.config), "max_position_embeddings", None)
-        if context is None:
-            return
-        if prompt_length >= context:
-            where = "is longer than" if prompt_length > context else "fills"
-            raise ValueError(
-                f"prompt of {prompt_length} tokens {where} the model's context (max_position_embeddings={context}): "
-                f"no token can be generated after it (valid prompt length: 1..{context - 1})"
-            )
-        if max_new_tokens is not None and prompt_length + max_new_tokens > context:
-            raise ValueError(
-                f"prompt ({prompt_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-                f"context of {context} tokens (valid max_new_tokens: 1..{context - prompt_length})"
-            )
+        check_context(getattr(text_config(self.model.config), "max_position_embeddings", None), prompt_length,
+                      max_new_tokens)

@@ -3,7 +3,8 @@
 An adapter's `layer_call` picks one of these functions. Each takes a layer
 module, the hidden states `[1, q, hidden]` and what the engine prepared (mask,
 rotary embeddings, position ids, the shared cache) and returns the layer's
-output hidden states `[1, q, hidden]`. Nothing here keeps state.
+output hidden states `[1, q, hidden]`, on the CPU kernels the calling thread
+chose (`cpu_kernels.py`; none swapped for anyone else). Nothing here keeps state.
 """
 
 from __future__ import annotations
@@ -13,21 +14,24 @@ import weakref
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F  # `F.linear` is looked up at each call: `cpu_kernels` swaps it while a pass runs
 from torch import nn
 from torch.nn.modules import module as _module
 
+from .cpu_kernels import attention_function, chosen_kernels, linear_function
+
 
 def decoder_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, position_ids, cache) -> torch.Tensor:
-    """transformers 5.x decoder layers of the Llama kind (Llama, Mistral, Qwen, Gemma, Phi-3, OLMo 2, ...)."""
-    out = layer(
-        hidden,
-        attention_mask=mask,
-        position_embeddings=position_embeddings,
-        position_ids=position_ids,
-        cache=cache,
-        use_cache=True,
-    )
+    """transformers 5.x decoder layers of the Llama kind (Llama, Mistral, Qwen, Gemma, Phi-3, OLMo 2, ...), on
+    the kernels this thread chose (`cpu_kernels.chosen_kernels`)."""
+    with chosen_kernels(hidden):
+        out = layer(
+            hidden,
+            attention_mask=mask,
+            position_embeddings=position_embeddings,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+        )
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -37,7 +41,8 @@ def gpt2_block(layer, hidden: torch.Tensor, *, mask, position_embeddings, positi
     The block's attention writes the shared cache with `cache.update(key, value, layer_idx)`
     (a plain cache, not an `EncoderDecoderCache`: GPT-2 adapters require `add_cross_attention=false`).
     """
-    out = layer(hidden, cache=cache, attention_mask=mask, use_cache=True)
+    with chosen_kernels(hidden):  # the kernels this thread chose (`cpu_kernels.py`)
+        out = layer(hidden, cache=cache, attention_mask=mask, use_cache=True)
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -48,36 +53,37 @@ def llama_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, posit
     (the norms' float32 formula, the rotary function, the configured
     attention function with the same arguments, the MLP), so the result is
     the layer's own, bit for bit; what goes is the per-call cost of about
-    a dozen module calls, keyword wrappers and hook checks a layer (measured
-    on SmolLM2 in bfloat16 on a 2-core CPU: a plain step's layers 30.5 ms
-    through the modules, 26 ms here). A layer that is not exactly that
-    structure (another class, a quantized or hooked linear, a norm of
-    another kind, training mode) runs its own forward instead.
+    a dozen module calls, keyword wrappers and hook checks a layer. Its
+    linear layers and attention run the kernels this thread chose
+    (`cpu_kernels.linear_function`, `attention_function`). A layer that is
+    not exactly that structure (another class, a quantized or hooked
+    linear, a norm of another kind, training mode) runs its own forward.
     """
     if layer.training or not _plain_llama(layer):
         return decoder_layer(layer, hidden, mask=mask, position_embeddings=position_embeddings,
                              position_ids=position_ids, cache=cache)
-    llama, attention_functions = _transformers()
+    llama = _llama()
+    linear = linear_function()
     attn, mlp = layer.self_attn, layer.mlp
     residual = hidden
     hidden = _rms_norm(layer.input_layernorm, hidden)
     shape = (*hidden.shape[:-1], -1, attn.head_dim)
-    query = F.linear(hidden, attn.q_proj.weight, attn.q_proj.bias).view(shape).transpose(1, 2)
-    key = F.linear(hidden, attn.k_proj.weight, attn.k_proj.bias).view(shape).transpose(1, 2)
-    value = F.linear(hidden, attn.v_proj.weight, attn.v_proj.bias).view(shape).transpose(1, 2)
+    query = linear(hidden, attn.q_proj.weight, attn.q_proj.bias).view(shape).transpose(1, 2)
+    key = linear(hidden, attn.k_proj.weight, attn.k_proj.bias).view(shape).transpose(1, 2)
+    value = linear(hidden, attn.v_proj.weight, attn.v_proj.bias).view(shape).transpose(1, 2)
     cos, sin = position_embeddings
     query, key = llama.apply_rotary_pos_emb(query, key, cos, sin)
     key, value = cache.update(key, value, attn.layer_idx)
-    attention = attention_functions.get_interface(attn.config._attn_implementation, llama.eager_attention_forward)
+    attention = attention_function(attn.config._attn_implementation, llama.eager_attention_forward)
     out, _ = attention(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling, position_ids=position_ids,
                        use_cache=True)
     out = out.reshape(*hidden.shape[:-1], -1).contiguous()
-    hidden = residual + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+    hidden = residual + linear(out, attn.o_proj.weight, attn.o_proj.bias)
     residual = hidden
     hidden = _rms_norm(layer.post_attention_layernorm, hidden)
-    up = F.linear(hidden, mlp.up_proj.weight, mlp.up_proj.bias)
-    hidden = F.linear(mlp.act_fn(F.linear(hidden, mlp.gate_proj.weight, mlp.gate_proj.bias)) * up,
-                      mlp.down_proj.weight, mlp.down_proj.bias)
+    up = linear(hidden, mlp.up_proj.weight, mlp.up_proj.bias)
+    hidden = linear(mlp.act_fn(linear(hidden, mlp.gate_proj.weight, mlp.gate_proj.bias)) * up,
+                    mlp.down_proj.weight, mlp.down_proj.bias)
     return residual + hidden
 
 
@@ -91,13 +97,12 @@ def _rms_norm(norm, hidden: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _transformers():
-    """transformers' Llama module and attention registry, imported on first use (importing them loads much of
-    transformers; by the first Llama layer they are loaded)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+def _llama():
+    """transformers' Llama module, imported on first use (importing it loads much of transformers; by the first
+    Llama layer it is loaded)."""
     from transformers.models.llama import modeling_llama
 
-    return modeling_llama, ALL_ATTENTION_FUNCTIONS
+    return modeling_llama
 
 
 _PLAIN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> its modules, or () when not plain
@@ -110,7 +115,7 @@ def _plain_llama(layer) -> bool:
     """
     modules = _PLAIN.get(layer)
     if modules is None:
-        llama, _ = _transformers()
+        llama = _llama()
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         linears = [getattr(m, name, None) for m, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
                                                           (mlp, ("gate_proj", "up_proj", "down_proj")))

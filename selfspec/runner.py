@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .cache import SharedKVCache
+from .cpu_kernels import chosen_kernels
 from .memory import parameter_bytes
 from .parts import ModelParts, soft_cap
 from .tree import TokenTree
@@ -127,7 +128,7 @@ class LayerRunner:
         `mask_for(window)` makes the attention mask for a sliding window (None:
         none), once per window a pass meets; `rotary` holds the (cos, sin) per
         layer type; `probe` as `run`'s. The attention and linear kernels are
-        those the caller chose (`cpu_kernels.cpu_kernels`), else transformers' own.
+        those this thread chose (`cpu_kernels.cpu_kernels`), else transformers' own.
         """
         masks: dict[int | None, torch.Tensor | None] = {}
         for i in layers:
@@ -158,12 +159,15 @@ class LayerRunner:
         With a draft vocabulary only its rows are computed; the rest are -inf.
         """
         cap = self.parts.logit_softcap
+        normed = self.parts.norm(hidden)
         if vocab is not None:
             self.weights_read += vocab.weight.numel() * vocab.weight.element_size()
-            return vocab.logits(self.parts.norm(hidden), cap)
+            with chosen_kernels(normed):  # its rows' GEMM on the kernel this thread chose (`cpu_kernels.py`)
+                return vocab.logits(normed, cap)
         self.weights_read += self.head_bytes
-        # Capped in the model's dtype, as the model's own forward does.
-        return soft_cap(self.parts.lm_head(self.parts.norm(hidden))[0], cap).float()
+        with chosen_kernels(normed):
+            logits = self.parts.lm_head(normed)[0]  # [q, vocab]
+        return soft_cap(logits, cap).float()  # capped in the model's dtype, as the model's own forward does
 
     @staticmethod
     def first_visible(start: int, window: int | None) -> int:

@@ -325,7 +325,7 @@ def test_held_costs_are_measured_once_per_plan_and_never_refined(tmp_path, monke
     for seed in range(3):
         output, counts = methods[1].run(random_prompt(12, seed=seed))
         assert output.shape[1] == 24 and counts.verify_passes > 0
-    assert spec.costs is handed[0] and not spec.measured_costs  # no table of the rounds' own, to refine
+    assert spec.costs is handed[0] and not spec.cost_tables.measured  # no table of the rounds' own, to refine
     wrapped.clear()
     selfspec_method("selfspec-fixed", "", model, dataclasses.replace(plan, policy="fixed"), max_new_tokens=12,
                     costs=HELD)

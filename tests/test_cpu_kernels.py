@@ -1,6 +1,7 @@
-"""The CPU kernel choices (`cpu_kernels.py`): the attention kernel (sdpa, packed grouped heads, float32), and the
-linear layers' kernel (F.linear, transposed, oneDNN). Each computes what transformers computes, only in the thread that
-chose it, and greedy output stays token-identical to `model.generate`."""
+"""The CPU kernel choices (`cpu_kernels.py`, `kernel_choice.py`): the attention kernel (sdpa, packed grouped heads,
+float32), and the linear layers' kernel (F.linear, transposed, oneDNN). Each computes what transformers computes, only
+in selfspec's calls of the thread that chose it (no function is swapped), and greedy output stays token-identical to
+`model.generate`."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import selfspec
 from selfspec import cpu_kernels
 from selfspec.cpu_kernels import (ATTENTION_FUNCTIONS, ATTENTION_QUERIES, LINEAR_KERNELS, LINEAR_ROWS,
                                   NO_ATTENTION_CHANGE, NO_CHANGE, AttentionKernels, LinearKernels, chosen_attention,
-                                  chosen_linear, measure_attention_kernels, measure_linear_kernels, onednn_linear,
-                                  onednn_usable, sdpa_attention, transposed_linear)
+                                  chosen_kernels, chosen_linear, measure_attention_kernels, measure_linear_kernels,
+                                  onednn_linear, onednn_usable, sdpa_attention, transposed_linear)
 from selfspec.testing import TINY_CONFIGS, random_prompt, tiny_model
 
 ARCHS = sorted(TINY_CONFIGS)
@@ -24,19 +25,86 @@ EVERYWHERE = LinearKernels(LINEAR_ROWS, ("transposed",) * len(LINEAR_ROWS))
 PACKED = AttentionKernels(ATTENTION_QUERIES, (64,), (("packed",),) * len(ATTENTION_QUERIES))
 
 
-def test_the_functions_are_swapped_only_while_a_thread_is_inside():
-    linear, sdpa_entry = torch.nn.functional.linear, ALL_ATTENTION_FUNCTIONS["sdpa"]
+def untouched(linear, sdpa, sdpa_entry) -> None:
+    """torch's and transformers' functions are those given, and no torch function mode is on in this thread."""
+    assert torch.nn.functional.linear is linear and torch.nn.functional.scaled_dot_product_attention is sdpa
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_entry and not torch._C._is_torch_function_mode_enabled()
+
+
+def test_a_choice_swaps_nothing_holds_in_selfspecs_calls_and_nests():
+    originals = (torch.nn.functional.linear, torch.nn.functional.scaled_dot_product_attention,
+                 ALL_ATTENTION_FUNCTIONS["sdpa"])
+    linear, _, sdpa_entry = originals
     assert linear is not chosen_linear and sdpa_entry is not chosen_attention
+    hidden = torch.zeros(1, 2, 8)
     with cpu_kernels.cpu_kernels(attention=PACKED, linear=EVERYWHERE):
-        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is chosen_attention
-        assert torch.nn.functional.linear is chosen_linear
+        untouched(*originals)
+        assert cpu_kernels.linear_function() is chosen_linear
+        assert cpu_kernels.attention_function("sdpa", None) is chosen_attention
+        assert cpu_kernels.attention_function("eager", sdpa_attention) is sdpa_attention  # not sdpa: as it was
+        with chosen_kernels(hidden):  # transformers' modules' calls, in this thread alone
+            assert torch._C._is_torch_function_mode_enabled()
         with cpu_kernels.cpu_kernels(attention=NO_ATTENTION_CHANGE):  # nested: the inner choice, then the outer
             assert not cpu_kernels._state.attention and cpu_kernels._state.linear is EVERYWHERE
+            assert cpu_kernels.attention_function("sdpa", None) is sdpa_entry
         assert cpu_kernels._state.attention is PACKED
-    assert torch.nn.functional.linear is linear and ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_entry
-    assert cpu_kernels._inside == 0
-    with cpu_kernels.cpu_kernels(attention=NO_ATTENTION_CHANGE, linear=NO_CHANGE):  # nothing chosen: nothing swapped
-        assert torch.nn.functional.linear is linear and ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_entry
+    untouched(*originals)
+    assert cpu_kernels.linear_function() is linear and cpu_kernels.attention_function("sdpa", None) is sdpa_entry
+    with cpu_kernels.cpu_kernels(attention=NO_ATTENTION_CHANGE, linear=NO_CHANGE):  # nothing chosen: nothing entered
+        with chosen_kernels(hidden):
+            untouched(*originals)
+    only_some_rows = LinearKernels((1, 4), ("linear", "transposed"))
+    with cpu_kernels.cpu_kernels(linear=only_some_rows), chosen_kernels(hidden):  # 2 rows: F.linear's anyway
+        untouched(*originals)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # a layer selfspec computes; transformers' own module
+def test_another_thread_mid_pass_sees_torch_and_transformers_functions_untouched(arch, monkeypatch):
+    """While a pass runs on other kernels (stopped inside it, at its first transposed linear call), another
+    thread finds `F.linear`, torch's sdpa and transformers' "sdpa" entry as they were, and its own calls of them
+    run torch's and transformers' kernels, never the ones this thread chose."""
+    originals = (torch.nn.functional.linear, torch.nn.functional.scaled_dot_product_attention,
+                 ALL_ATTENTION_FUNCTIONS["sdpa"])
+    ran, checked = [], []
+
+    def other_thread() -> None:
+        untouched(*originals)
+        assert cpu_kernels.linear_function() is originals[0]
+        assert cpu_kernels.attention_function("sdpa", None) is originals[2]
+        generator = torch.Generator().manual_seed(0)
+        torch.nn.functional.linear(torch.randn(3, 6, dtype=torch.float64, generator=generator),
+                                   torch.randn(4, 6, dtype=torch.float64, generator=generator))
+        module = torch.nn.Module()
+        module.num_key_value_groups, module.is_causal, module.training = 2, True, False
+        query, key, value, mask = _attention_inputs(4, 2, 1, 3, 9, masked=True)
+        ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, mask, scaling=0.3)
+        torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
+        checked.append(threading.current_thread().name)
+
+    def mid_pass() -> None:
+        if not checked:
+            thread = threading.Thread(target=other_thread, name="other")
+            thread.start()
+            thread.join(30)
+            assert checked == ["other"], "the other thread's checks failed (see its exception above)"
+
+    for name in ("transposed_linear",):
+        real = getattr(cpu_kernels, name)
+        monkeypatch.setattr(cpu_kernels, name, lambda *a, _r=real: (ran.append(threading.current_thread().name),
+                                                                    mid_pass(), _r(*a))[-1])
+    real_packed = ATTENTION_FUNCTIONS["packed"]
+    monkeypatch.setitem(ATTENTION_FUNCTIONS, "packed",
+                        lambda *a: ran.append(threading.current_thread().name) or real_packed(*a))
+    model = tiny_model(arch, dtype=torch.float64)
+    spec = selfspec.wrap(model, plan=selfspec.DraftPlan(layers=(0, 1, 2), draft_length=3, policy="fixed"))
+    spec.kernel_choice.linear_choices[torch.get_num_threads()] = EVERYWHERE
+    spec.kernel_choice.attention_choices[torch.get_num_threads()] = PACKED
+    prompt = random_prompt(9, seed=1)
+    assert torch.equal(spec.generate(prompt, max_new_tokens=12), model.generate(prompt, do_sample=False,
+                                                                                 max_new_tokens=12))
+    main = threading.current_thread().name
+    assert checked == ["other"] and set(ran) == {main}  # the pass ran its kernels; the other thread never did
+    untouched(*originals)
 
 
 def _attention_inputs(heads: int, kv_heads: int, rows: int, q: int, kv: int, *, masked: bool):
@@ -79,7 +147,7 @@ def test_the_attention_entry_runs_the_kernel_chosen_for_the_queries_and_entries_
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal, module.training = 3, True, False
     with cpu_kernels.cpu_kernels(attention=choice):
-        entry = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        entry = cpu_kernels.attention_function("sdpa", None)  # what a layer selfspec computes calls
 
         def attend(q, kv, *, masked=True, **options):
             query, key, value, mask = _attention_inputs(6, 2, 1, q, kv, masked=masked)
@@ -100,6 +168,43 @@ def test_the_attention_entry_runs_the_kernel_chosen_for_the_queries_and_entries_
     assert not NO_ATTENTION_CHANGE and NO_ATTENTION_CHANGE(1, 100) == "sdpa"
     with pytest.raises(ValueError, match="not a choice of attention kernels"):
         AttentionKernels.from_dict({"queries": [1], "keys": [64], "kernels": [["flash"]]})
+
+
+def test_transformers_modules_sdpa_calls_run_the_kernel_chosen_for_the_queries_and_entries_else_torchs(monkeypatch):
+    """Under `chosen_kernels` (transformers' own modules), torch's sdpa as transformers calls it: K/V heads shared
+    by `enable_gqa`, copied per query head, or a mask of one row for every query; anything else to torch's."""
+    ran = []
+    for name in ATTENTION_FUNCTIONS:
+        real = ATTENTION_FUNCTIONS[name]
+        monkeypatch.setitem(ATTENTION_FUNCTIONS, name, lambda *a, _n=name, _r=real: ran.append(_n) or _r(*a))
+    choice = AttentionKernels((1, 4), (64, 1024), (("packed", "float32"), ("sdpa", "float32")))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def attend(heads, kv_heads, q, kv, *, masked=True, one_row=False, **options):
+        query, key, value, mask = _attention_inputs(heads, kv_heads, 1, q, kv, masked=masked)
+        if one_row:
+            mask = mask[:, :, :1]  # [1, 1, 1, kv]: broadcast over the queries
+        options.setdefault("enable_gqa", heads != kv_heads)
+        expected = sdpa(query, key, value, attn_mask=mask, scale=0.3, **options)
+        with cpu_kernels.cpu_kernels(attention=choice), chosen_kernels(torch.zeros(1, q, 8)):
+            out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3,
+                                                                   **options)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+        return ran.pop() if ran else "torch"
+
+    assert attend(6, 2, 1, 9, masked=False) == "packed"  # one query, K/V shared by enable_gqa
+    assert attend(6, 2, 1, 2000, masked=False) == "float32"
+    assert attend(6, 6, 3, 12) == "packed"  # K/V copied per query head (a mask: transformers' repeat_kv)
+    assert attend(2, 2, 3, 12, one_row=True) == "packed"  # one query's grouped heads as queries
+    assert attend(6, 2, 5, 2000) == "float32"
+    assert attend(6, 2, 5, 80) == "torch"  # sdpa chosen: torch's own
+    assert attend(6, 2, 3, 3, masked=False, is_causal=True) == "torch"  # causal: torch's own
+    assert attend(6, 6, 1, 9, masked=False, dropout_p=0.0) == "packed"
+    query, key, value, mask = _attention_inputs(6, 6, 1, 1, 9, masked=True)
+    additive = torch.zeros(mask.shape, dtype=query.dtype).masked_fill(~mask, float("-inf"))
+    with cpu_kernels.cpu_kernels(attention=choice):
+        cpu_kernels.chosen_sdpa(query, key, value, attn_mask=additive, scale=0.3)  # a float mask: torch's own
+    assert not ran
 
 
 def test_measuring_times_every_attention_kernel_that_applies_on_the_heads_shape(monkeypatch):
@@ -152,15 +257,16 @@ def test_onednn_is_chosen_only_where_it_can_run_and_autograd_goes_to_f_linear(mo
     everywhere = LinearKernels(LINEAR_ROWS, ("onednn",) * len(LINEAR_ROWS))
     weight = torch.randn(5, 6)
     with cpu_kernels.cpu_kernels(linear=everywhere):
+        linear = cpu_kernels.linear_function()  # what selfspec's calls run
         with torch.no_grad():
-            torch.nn.functional.linear(torch.randn(3, 6), weight)
+            linear(torch.randn(3, 6), weight)
         assert ran == [1]
         x = torch.randn(3, 6, requires_grad=True)
-        out = torch.nn.functional.linear(x, weight)  # training: oneDNN's op has no backward
+        out = linear(x, weight)  # training: oneDNN's op has no backward
         out.sum().backward()
         assert ran == [1] and x.grad is not None
-        torch.nn.functional.linear(torch.randn(3, 6, dtype=torch.float64), weight.double())  # no float64 oneDNN
-        torch.nn.functional.linear(torch.randn(3, 6), weight.T.contiguous().T)  # a strided weight
+        linear(torch.randn(3, 6, dtype=torch.float64), weight.double())  # no float64 oneDNN
+        linear(torch.randn(3, 6), weight.T.contiguous().T)  # a strided weight
         assert ran == [1]
 
 
@@ -178,9 +284,16 @@ def test_a_choice_covers_the_rows_between_its_measured_ones_and_the_last_one_bey
         LinearKernels.from_dict({"rows": [1], "kernels": ["fast"]})
 
 
-def linear_in_another_thread(x: torch.Tensor, weight: torch.Tensor) -> None:
-    """F.linear(x, weight) on a thread named "other", while this one waits (inside `cpu_kernels`, say)."""
-    thread = threading.Thread(target=torch.nn.functional.linear, args=(x, weight), name="other")
+def linear_in_another_thread(x: torch.Tensor, weight: torch.Tensor, linear: LinearKernels = NO_CHANGE) -> None:
+    """On a thread named "other" that chose `linear`, while this one waits (inside `cpu_kernels`, say): F.linear
+    (x, weight) as selfspec's calls run it, and as torch's."""
+
+    def run() -> None:
+        with cpu_kernels.cpu_kernels(linear=linear):
+            cpu_kernels.linear_function()(x, weight)
+            torch.nn.functional.linear(x, weight)
+
+    thread = threading.Thread(target=run, name="other")
     thread.start()
     thread.join(5)
     assert not thread.is_alive()
@@ -194,7 +307,8 @@ def test_only_the_thread_that_chose_a_kernel_runs_it(monkeypatch):
     x, weight = torch.randn(4, 6), torch.randn(3, 6)
     with cpu_kernels.cpu_kernels(linear=EVERYWHERE):
         linear_in_another_thread(x, weight)
-        torch.nn.functional.linear(x, weight)
+        cpu_kernels.linear_function()(x, weight)
+        torch.nn.functional.linear(x, weight)  # torch's own, called directly: not selfspec's choice
     assert taken == [threading.current_thread().name]
 
 
@@ -235,8 +349,9 @@ def onednn_switched_off():
 
 
 def test_aten_switches_onednn_off_for_its_call_alone_and_other_threads_wait(monkeypatch):
-    """`aten` runs F.linear with oneDNN off and puts the switch back as it was; another thread's F.linear, while
-    the functions are swapped, runs under the same lock, so never in the middle of that call."""
+    """`aten` runs F.linear with oneDNN off and puts the switch back as it was (the one process-wide switch left);
+    another thread's chosen F.linear, while a thread may switch it, runs under the same lock, so never in the
+    middle of that call."""
     seen = []
     real = cpu_kernels._linear
 
@@ -247,10 +362,10 @@ def test_aten_switches_onednn_off_for_its_call_alone_and_other_threads_wait(monk
     monkeypatch.setattr(cpu_kernels, "_linear", recording)
     x, weight = torch.randn(1, 6, dtype=torch.bfloat16), torch.randn(3, 6, dtype=torch.bfloat16)
     with cpu_kernels.cpu_kernels(linear=LinearKernels((1,), ("aten",))):
-        torch.nn.functional.linear(x, weight)
-        linear_in_another_thread(x, weight)  # a thread that chose nothing
+        cpu_kernels.linear_function()(x, weight)
+        linear_in_another_thread(x, weight, LinearKernels((1, 2), ("linear", "transposed")))  # F.linear at 1 row
     main = threading.current_thread().name
-    assert seen == [(main, False, True), ("other", True, True)]
+    assert seen == [(main, False, True), ("other", True, True)]  # torch's own F.linear call: not recorded
     assert torch._C._get_mkldnn_enabled() and not cpu_kernels._aten_threads
     seen.clear()
     with onednn_switched_off():
@@ -274,7 +389,7 @@ def test_greedy_output_stays_equal_with_every_pass_on_another_linear_kernel(arch
     plan = selfspec.DraftPlan(layers=tuple(range(num_layers // 2)), draft_length=4, ngram=2, policy="fixed")
     spec = selfspec.wrap(model, plan=plan)
     choice = LinearKernels(LINEAR_ROWS, (kernel,) * len(LINEAR_ROWS))
-    spec.linear_choices[torch.get_num_threads()] = choice
+    spec.kernel_choice.linear_choices[torch.get_num_threads()] = choice
     prompts = [random_prompt(n, seed=n) for n in (7, 12)]
     for prompt in prompts:
         ref = model.generate(prompt, do_sample=False, max_new_tokens=24)
@@ -304,7 +419,7 @@ def test_greedy_output_stays_equal_with_every_pass_on_another_attention_kernel(a
     plan = selfspec.DraftPlan(layers=tuple(range(num_layers // 2)), draft_length=4, ngram=2, tree=6, policy="fixed")
     spec = selfspec.wrap(model, plan=plan)
     choice = AttentionKernels(ATTENTION_QUERIES, (1,), ((kernel,),) * len(ATTENTION_QUERIES))
-    spec.attention_choices[torch.get_num_threads()] = choice
+    spec.kernel_choice.attention_choices[torch.get_num_threads()] = choice
     prompts = [random_prompt(n, seed=n) for n in (7, 12)]
     for prompt in prompts:
         ref = model.generate(prompt, do_sample=False, max_new_tokens=24)
@@ -332,18 +447,18 @@ def test_the_kernels_are_measured_once_cached_apart_and_key_the_cost_tables(tmp_
     assert len(list((tmp_path / "kernels").glob("*.json"))) == 1 and not list(tmp_path.glob("*.json"))
     again = selfspec.wrap(model)
     assert again.linear_kernels() == choice  # read back from disk
-    key = again._costs_key()
+    key = again.cost_tables.key()
     other = "onednn" if choice(1) != "onednn" else "linear"
-    again.linear_choices[torch.get_num_threads()] = LinearKernels((1,), (other,))
-    assert again._costs_key() != key  # a table timed with other kernels is another table
+    again.kernel_choice.linear_choices[torch.get_num_threads()] = LinearKernels((1,), (other,))
+    assert again.cost_tables.key() != key  # a table timed with other kernels is another table
     attention = spec.attention_kernels()
     assert attention.queries == ATTENTION_QUERIES and spec.attention_kernels() is attention
     assert len(list((tmp_path / "kernels").glob("*.json"))) == 2  # the attention's choice beside the linear's
     assert selfspec.wrap(model).attention_kernels() == attention  # read back from disk
-    key = again._costs_key()
+    key = again.cost_tables.key()
     other = "float32" if attention(1, 64) != "float32" else "sdpa"
-    again.attention_choices[torch.get_num_threads()] = AttentionKernels((1,), (64,), ((other,),))
-    assert again._costs_key() != key
+    again.kernel_choice.attention_choices[torch.get_num_threads()] = AttentionKernels((1,), (64,), ((other,),))
+    assert again.cost_tables.key() != key
 
 
 def test_kernels_transformers_runs_transformers_own_functions_and_a_bad_choice_is_refused(tmp_path, monkeypatch):
@@ -357,6 +472,6 @@ def test_kernels_transformers_runs_transformers_own_functions_and_a_bad_choice_i
     assert torch.equal(spec.generate(prompt, max_new_tokens=12), model.generate(prompt, do_sample=False,
                                                                                  max_new_tokens=12))
     assert not (tmp_path / "kernels").exists()  # nothing was measured
-    assert selfspec.wrap(model).kernel_choice == "measured"
+    assert selfspec.wrap(model).kernel_choice.choice == "measured"
     with pytest.raises(ValueError, match="kernels must be one of 'measured', 'transformers', got 'fast'"):
         selfspec.wrap(model, kernels="fast")

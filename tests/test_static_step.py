@@ -197,7 +197,7 @@ def test_static_costs_are_measured_on_the_static_step():
     assert len(costs.verify) == 7 and costs.draft_step > 0
     # Widths 1, 2, 4 and 7 were timed; a pass over 3 runs at 4, over 5 or 6 at 8 (as 7 does).
     assert costs.verify[2] == costs.verify[3] and costs.verify[4] == costs.verify[5] == costs.verify[6]
-    assert spec._costs_key() != selfspec.wrap(model, plan=spec.plan, step="eager")._costs_key()
+    assert spec.cost_tables.key() != selfspec.wrap(model, plan=spec.plan, step="eager").cost_tables.key()
     spec.generate(random_prompt(8), max_new_tokens=20)
     assert spec.last_stats.costs and spec.last_stats.step == "static"
     assert "step: static" in str(spec.last_stats)
