@@ -7,67 +7,43 @@ round for every row:
 
 1. draft: each row's proposal from the plan's sources (`batch_draft.py`):
    its n-gram copy, else the plan's layers, all rows in one draft pass a token;
-2. choose: one verify width for the batch, by expected tokens per second
-   from the session's learned acceptance and the measured cost of passes
-   over that many rows;
+2. choose: one verify width, by expected tokens per second;
 3. verify: one pass of the full model over `[rows, width]`, padded;
 4. accept: per row, the greedy prefix rule or the rejection rule;
 5. roll back: each row's length moves to what it kept (O(1));
-6. emit, record, and drop the rows that finished.
+6. emit, record (every source learns), and drop the rows that finished.
 
-The cache (`batch_runner.BatchedKVCache`) is the target's own, one row per
-sequence. Greedy rows equal `model.generate` on their prompt alone (exactly
-in float64); sampling rows keep the target's distribution.
+The cache (`batch_runner.py`) is the target's own, a row per sequence.
+Greedy rows equal `model.generate` on their prompt alone; sampling rows keep
+the target's distribution.
 
 Not in a batch: token trees and recycled nodes (rows draft chains), the
-static step and CUDA graphs, the verify pass resuming after the draft's exact prefix.
+static step and CUDA graphs, a verify pass resuming after the exact prefix.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from .acceptance import accept_greedy, accept_sampling
-from .batch_draft import BATCH_MARGIN, DraftRound, DraftSource, LayerRows, NgramRows
+from .batch_draft import BATCH_MARGIN, BatchRow, DraftRound, DraftSource, LayerRows, NgramRows
 from .batch_runner import BatchRunner
 from .cpu_kernels import NO_ATTENTION_CHANGE, NO_CHANGE, AttentionKernels, LinearKernels, cpu_kernels
 from .costs import PassCosts, RuntimeCosts
 from .head import ExitHead
 from .hf_generation import GenerationSettings
-from .ngram import NgramIndex
 from .output import Clock, Output
 from .parts import ModelParts
 from .plan import DraftPlan
 from .policy import AcceptanceEstimates, Calibration
 from .scoring import Scorer
-from .stats import BatchStats, GenerationStats
+from .stats import BatchStats
 from .vocab import DraftVocab
 
 __all__ = ["BATCH_MARGIN", "BatchRow", "BatchRunner", "BatchSession"]
-
-
-@dataclass(eq=False)
-class BatchRow:
-    """One sequence in a batch."""
-
-    out: Output
-    scorer: Scorer
-    prompt_length: int
-    ngrams: NgramIndex | None = None  # its n-gram lookup, kept up to date as it grows
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    began: float = field(default_factory=time.perf_counter)
-
-    @property
-    def done(self) -> bool:
-        return self.out.done
-
-    @property
-    def new_tokens(self) -> list[int]:
-        return self.out.tokens[self.prompt_length :]
 
 
 class BatchSession:

@@ -22,25 +22,48 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
+
+import time
 
 import torch
 
+from .batch_runner import BatchRunner
 from .draft import Draft
 from .head import ExitHead
 from .ngram import NgramIndex, agreement
+from .output import Output
 from .costs import RuntimeCosts
 from .policy import AcceptanceEstimates
+from .scoring import Scorer
+from .stats import GenerationStats
 from .vocab import DraftVocab
 
-if TYPE_CHECKING:
-    from .batch import BatchRow
-    from .batch_runner import BatchRunner
 
 # Drafting at all must beat not drafting by this fraction of predicted tokens per second. A wrong guess widens
 # every row's pass, and the acceptance estimates run optimistic early (they start at the plan's prior): a
 # margin below that error turns speculation into a loss against drafting off.
 BATCH_MARGIN = 0.10
+
+
+@dataclass(eq=False)
+class BatchRow:
+    """One sequence in a batch."""
+
+    out: Output
+    scorer: Scorer
+    prompt_length: int
+    ngrams: NgramIndex | None = None  # its n-gram lookup, kept up to date as it grows
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    began: float = field(default_factory=time.perf_counter)
+
+    @property
+    def done(self) -> bool:
+        return self.out.done
+
+    @property
+    def new_tokens(self) -> list[int]:
+        return self.out.tokens[self.prompt_length :]
 
 
 @dataclass
@@ -69,7 +92,7 @@ class RowDraft:
 class DraftRound:
     """A round's draft state over the batch's rows (in cache order)."""
 
-    rows: list["BatchRow"]
+    rows: list[BatchRow]
     starts: list[int]  # each row's position of its last token (not in the cache yet)
     budgets: list[int]  # tokens each row may still draft
     acceptance: AcceptanceEstimates

@@ -1,38 +1,19 @@
 """What a pass costs on the machine at hand: measured once, cached, refined as the rounds run.
 
-Whether a draft pays depends on the machine. On a GPU or an AVX-512-BF16 CPU a
-verify pass over 9 tokens costs little more than a plain step; on an AVX2-only
-CPU in bfloat16 it costs almost 4. So nothing here is assumed:
-
-- `PassCosts` is a cost table in seconds: a full pass over q new tokens
-  (q = 1 is a plain decoding step) for every width a round can verify, and
-  one drafted token through the plan's layers (exit head and draft
-  vocabulary included), each timed at two contexts (48 and 1,024 entries in
-  the cache) and taken as linear in the context between and beyond them:
-  attention reads every entry, and how much a wider pass costs depends on
-  how many there are (on one CPU, 8 rows at 1,334 entries: a pass over 2
-  tokens cost 1.9 plain steps where the short context said 1.2).
-  `measure_pass_costs` times them in two or three seconds; `load_or_measure`
-  keeps the result on disk, keyed by the model, dtype, device, thread count,
-  kernels and the processor. The verify passes are the same for every plan,
-  so they are one table, timed once for the widest plan so far (a narrower
-  plan reads its first widths); each plan's draft step is timed apart,
-  beside a plain step, and joins that table as a share of a step
-  (`PassCosts.with_draft`). Two plans timed apart would each have had a
-  table of their own, up to 10% apart per width from timing noise alone
-  (measured), and one plan would have been priced wider passes than the
-  other on the same machine.
-- `PassCosts.profile("linear" | "flat", ...)` builds a table by rule, for
-  tests and for asking "what would this machine do on another kind".
-- `RuntimeCosts` is what a generation uses: the table at the round's
-  context, scaled by what the rounds actually measure (every round times its
-  draft and its verify pass), so a busy machine or a cold start is learned,
-  not ignored.
-  After a greedy generation the refined table replaces the cached one, so a
-  table first measured on a busy machine does not outlive the load.
+Whether a draft pays depends on the machine (a wide verify pass may cost
+little more than a plain step, or several), so nothing here is assumed.
+`PassCosts` is a table in seconds: a full pass over q new tokens for every
+width a round can verify, and one drafted token through the plan's layers,
+each timed at a short and a long context and taken as linear in the context.
+`measure_pass_costs` times them; `load_or_measure` caches them on disk, keyed
+by model, dtype, device, threads, kernels and processor (the verify passes
+are one table for every plan; each plan's draft step joins it as a share of
+a step). `PassCosts.profile` builds a table by rule, for tests. `RuntimeCosts`
+is what a generation uses: the table at the round's context, scaled by what
+the rounds measure, so load and cold starts are learned.
 
 This module times passes; it does not know acceptance or decide draft lengths
-(`policy.py` does).
+(`policy.py`). Details: docs/kernels-and-costs.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 `Drafter.propose` runs the plan's layers one token at a time on the shared
 cache, writing entries only for those layers. It saves the hidden states after
 the plan's exact prefix (layers 0..s-1, which compute what the target
-computes), so the verify pass can resume at layer s instead of starting over.
+computes), so the verify pass resumes at layer s. One sequence's drafts;
+a batch's rows draft through `batch_draft.py`.
 
 With a trained exit head (`head.py`) the draft is layers 0..E-1, then the head
 (layer N of the cache). With a draft vocabulary (`vocab.py`) the draft scores
@@ -11,9 +12,8 @@ only its tokens. An n-gram match (`ngram.py`), when the plan looks for one,
 comes first: it is free. With the plan's `tree`, the layers may draft a token
 tree instead of a chain (`Drafter.layer_tree`: one pass per level over the
 level's likeliest nodes, written in tree rows beyond the last token). With
-the plan's `recycle`, nodes grown from the target's own recorded predictions
-(`recycle.py`) join the n-gram proposal, or form a tree of their own when
-nothing matched and they beat the layer draft: they cost no layer pass.
+the plan's `recycle`, nodes grown from the target's recorded predictions
+(`recycle.py`) join the n-gram proposal or form a tree of their own.
 
 This module proposes and records; it does not run the target's full passes
 (`passes.py`), decide acceptance (`acceptance.py`) or choose the draft length
