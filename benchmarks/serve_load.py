@@ -111,6 +111,10 @@ class PlainStats:
     accepted: int = 0
     tokens_per_pass: float = 1.0
 
+    def by_source(self) -> dict[str, tuple[int, int]]:
+        """No draft source drafted anything."""
+        return {}
+
 
 # --------------------------------------------------------------------------- arithmetic (pure)
 

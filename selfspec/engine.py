@@ -1,4 +1,4 @@
-"""`wrap(model)` and the decode loop: draft, verify, accept, roll back, emit, record.
+"""`wrap(model)` and one generation: prefill, the rounds (draft, verify, accept, roll back, emit, record), stats.
 
 The loop keeps one invariant: at the top of each round the cache holds the
 target's entries for every token but the last emitted one, whose entries the
@@ -10,8 +10,8 @@ The cache lives for one `generate()` call, so a generation that raises
 leaves nothing behind; the model itself is only ever read. With `step="graphs"` the cache and its CUDA graphs stay with the
 wrapped model (the graphs hold its addresses); each call empties it first.
 
-The eager rounds are below; the static step's are `static_loop.py`. It
-does not choose kernels (`kernel_choice.py`) nor key cost tables
+The rounds themselves are `rounds.py` (eager) and `static_loop.py` (one
+read back a round); a batch's are `batch.py`. It does not choose kernels (`kernel_choice.py`) nor key cost tables
 (`cost_tables.py`).
 """
 
@@ -23,14 +23,13 @@ import warnings
 
 import torch
 
-from .acceptance import accept_greedy, accept_sampling
 from .adapter import Adapter
 from .auto_layers import AutoLayers, layer_weights
 from .batch import BatchSession
 from .cost_tables import CostTables, draft_read_fraction, handed_costs
 from .costs import PassCosts, RuntimeCosts, measure_pass_costs
 from .cpu_kernels import AttentionKernels, LinearKernels
-from .draft import Draft, Drafter
+from .draft import Drafter
 from .head import ExitHead, load_head
 from .hf_generation import GenerationSettings, inferred_padding, resolve_settings
 from .inputs import check_context, check_prompts
@@ -42,14 +41,14 @@ from .passes import TargetPasses
 from .plan import DraftPlan
 from .policy import AcceptanceEstimates, DepthCalibration, DraftPolicy, LayerChoosingPolicy, RecycleLedger, policy_for
 from .quant import describe_quantization
-from .recycle import SuccessorTable, chain_contexts, tree_contexts
+from .recycle import SuccessorTable, chain_contexts
 from .registry import adapter_for
 from .runner import LayerRunner
+from .rounds import Decoding, eager_rounds
 from .scoring import Scorer
 from .static import GraphedRunner, StaticRunner
-from .static_loop import record_tree_round, recycling_this_round, run_static_rounds
+from .static_loop import run_static_rounds
 from .stats import BatchStats, GenerationStats
-from .tree import accept_tree_greedy, accept_tree_sampling
 from .vocab import DraftVocab, load_vocab
 
 STEPS = ("auto", "eager", "static", "graphs")
@@ -454,12 +453,12 @@ class SelfSpecModel:
         stats.verify_passes += 1
         stats.prefill_seconds = clock.lap()
 
+        decoding = Decoding(runner, self.drafter, self.passes, policy, scorer, out, stats, self.plan.draft_length,
+                            auto=auto, successors=successors)
         if self.step == "eager":
-            self._eager_rounds(runner, policy, scorer, out, stats, clock, auto, successors)
+            eager_rounds(decoding, clock)
         else:
-            run_static_rounds(runner=runner, drafter=self.drafter, passes=self.passes, policy=policy, scorer=scorer,
-                              out=out, stats=stats, draft_length=self.plan.draft_length, generator=generator,
-                              auto=auto, successors=successors)
+            run_static_rounds(decoding)
         self.passes.probe = None
         if auto is not None:
             stats.layer_sets = auto.describe()
@@ -478,63 +477,6 @@ class SelfSpecModel:
         if policy.costs is not None:
             stats.costs = policy.costs.table.summary()
         return out.tokens, stats
-
-    def _eager_rounds(self, runner: LayerRunner, policy, scorer: Scorer, out: "Output", stats: GenerationStats,
-                      clock: "Clock", auto: AutoLayers | None, successors: SuccessorTable | None) -> None:
-        """The rounds of the eager step: shapes follow the tokens; each drafted token is read back as chosen."""
-        while not out.done:
-            start = len(out.tokens) - 1  # position of the last emitted token, not in the cache yet
-            if auto is not None:  # an auto plan: maybe another layer set from this round
-                auto.before_round(policy)
-            policy.begin_round(min(self.plan.draft_length, out.remaining - 1), context=start)
-            recycling = recycling_this_round(policy, successors, stats)
-            # 1. draft: an n-gram match, recycled predictions, else the plan's layers, as far as the policy finds it pays
-            draft = self.drafter.propose(runner, scorer, out.tokens, policy, recycling)
-            draft_seconds = clock.lap()
-            if draft.tree is not None:  # several continuations at once
-                self._tree_round(runner, draft, start, policy, scorer, out, stats, clock, draft_seconds, recycling)
-                continue
-            # 2. verify: one pass of the target over the last token and the draft
-            ids = torch.tensor([[out.tokens[-1], *draft.tokens]], device=runner.positions.device)  # [1, k+1]
-            checked = self.passes.verify(runner, ids, draft.boundary, start)
-            scores = scorer.scores(checked.logits, out.tokens + draft.tokens, len(out.tokens))  # [k+1, vocab]
-            if recycling is not None:
-                recycling.record(chain_contexts(out.tokens, draft.tokens), scores)
-            # 3. accept
-            if scorer.do_sample:
-                verdict = accept_sampling(draft.tokens, draft.probs, scorer.probs(scores), scorer.generator)
-            else:
-                verdict = accept_greedy(draft.tokens, scores)
-            # 4. roll back: keep the entries of the last token and of the accepted drafted tokens
-            runner.cache.crop(start + 1 + verdict.accepted)
-            self.passes.fill_head(runner, checked, start, start + 1 + verdict.accepted)
-            verify_seconds = clock.lap()
-            # 5. emit (stops at EOS, a stopping criterion or max_new_tokens)
-            out.emit(draft.tokens[: verdict.accepted] + [verdict.next_token])
-            # 6. record
-            stats.record_round(drafted=len(draft.tokens), accepted=verdict.accepted, draft_seconds=draft_seconds,
-                               verify_seconds=verify_seconds, source=draft.source)
-            policy.observe(draft, verdict.accepted, draft_seconds=draft_seconds, verify_seconds=verify_seconds,
-                           width=len(draft.tokens) + 1)
-
-    def _tree_round(self, runner: LayerRunner, draft: Draft, start: int, policy, scorer: Scorer, out: "Output",
-                    stats: GenerationStats, clock: "Clock", draft_seconds: float,
-                    successors: SuccessorTable | None) -> None:
-        """Verify a token tree in one pass, keep a path (greedy or sampling), compact the cache (`tree.py`)."""
-        tree = draft.tree
-        ids = torch.tensor([[out.tokens[-1], *tree.tokens]], device=runner.positions.device)  # [1, n+1]
-        checked = self.passes.verify_tree(runner, ids, tree, start)
-        scores = scorer.tree_scores(checked.logits, out.tokens, tree)  # [n+1, vocab]
-        if successors is not None:  # every row, rejected nodes' too: the recycling
-            successors.record(tree_contexts(out.tokens, tree), scores)
-        if scorer.do_sample:
-            path, next_token = accept_tree_sampling(tree, scorer.probs(scores), scorer.generator)
-        else:
-            path, next_token = accept_tree_greedy(tree, scores)
-        self.passes.keep_tree_path(runner, checked, tree, path, start)
-        verify_seconds = clock.lap()
-        out.emit(tree.path_tokens(path) + [next_token])
-        record_tree_round(policy, stats, draft, path, draft_seconds=draft_seconds, verify_seconds=verify_seconds)
 
     def _check_context(self, prompt_length: int, max_new_tokens: int | None) -> None:
         """The prompt, and the prompt with `max_new_tokens` more (when given), must fit in the context."""

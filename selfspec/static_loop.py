@@ -17,20 +17,15 @@ rule itself (`acceptance.py`).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
-
 import torch
 
 from .acceptance import accept_greedy_on_device, accept_sampling_on_device
 from .draft import Draft, Drafter
-from .passes import TargetPasses
+from .rounds import Decoding, record_tree_round
 from .recycle import SuccessorTable, chain_contexts, top_successors, tree_contexts
 from .scoring import Scorer
-from .stats import GenerationStats
 from .tree import accept_tree_greedy_on_device, accept_tree_sampling_on_device
 
-if TYPE_CHECKING:
-    from .policy import DraftPolicy
 
 
 class RoundClock:
@@ -51,34 +46,15 @@ class RoundClock:
         return begin.elapsed_time(end) / 1000 if self.cuda else end - begin
 
 
-def run_static_rounds(
-    *,
-    runner,
-    drafter: Drafter,
-    passes: TargetPasses,
-    policy: DraftPolicy,
-    scorer: Scorer,
-    out,
-    stats: GenerationStats,
-    draft_length: int,
-    generator: torch.Generator | None,
-    auto=None,
-    successors: SuccessorTable | None = None,
-) -> None:
-    """Decode until `out` is done; `out.tokens` ends with a token that is not in the cache yet.
-
-    `auto`: an auto plan's layer choice (`auto_layers.AutoLayers`), or None.
-    `successors`: a recycled-draft plan's table (`recycle.py`), or None.
-    """
+def run_static_rounds(d: Decoding) -> None:
+    """Decode until `d.out` is done; `d.out.tokens` ends with a token that is not in the cache yet."""
+    runner, drafter, passes, policy, scorer, out, stats = d.runner, d.drafter, d.passes, d.policy, d.scorer, d.out, d.stats
+    generator = scorer.generator
     device = runner.positions.device
     clock = RoundClock(device)
     last = torch.tensor([[out.tokens[-1]]], device=device)  # [1, 1]
     while not out.done:
-        start = len(out.tokens) - 1  # position of `last`
-        if auto is not None:  # an auto plan: maybe another layer set from this round
-            auto.before_round(policy)
-        policy.begin_round(min(draft_length, out.remaining - 1), context=start)
-        recycling = recycling_this_round(policy, successors, stats)
+        start, recycling = d.begin_round()  # start: the position of `last`
         # Logits processors that read earlier tokens get them on the device (none: nothing is copied).
         history = torch.tensor(out.tokens, device=device) if scorer.processors else None  # [n]
         began = clock.mark()
@@ -88,8 +64,7 @@ def run_static_rounds(
         if recycling is not None and policy.round_budget > 0:
             grown = drafter.recycled_draft(out.tokens, policy, copied, recycling)
         if grown is not None or (copied is not None and copied.tree is not None):
-            static_tree_round(runner, passes, policy, scorer, out, stats, clock, grown or copied, last, start, began,
-                              recycling)
+            static_tree_round(d, clock, grown or copied, last, start, began, recycling)
             last = torch.tensor([[out.tokens[-1]]], device=device)  # [1, 1]: read back with the round already
             continue
         if copied is not None:
@@ -136,10 +111,10 @@ def run_static_rounds(
         last = next_token.view(1, 1)
 
 
-def static_tree_round(runner, passes: TargetPasses, policy: DraftPolicy, scorer: Scorer, out, stats: GenerationStats,
-                      clock: RoundClock, draft: Draft, last: torch.Tensor, start: int, began,
+def static_tree_round(d: Decoding, clock: RoundClock, draft: Draft, last: torch.Tensor, start: int, began,
                       successors: SuccessorTable | None) -> None:
     """One round that verifies a token tree: acceptance on the device, one read back, compaction."""
+    runner, passes, scorer, out = d.runner, d.passes, d.scorer, d.out
     tree = draft.tree
     drafted_at = clock.mark()
     ids = torch.cat([last, torch.tensor([tree.tokens], device=last.device)], dim=1)  # [1, n+1]
@@ -157,39 +132,8 @@ def static_tree_round(runner, passes: TargetPasses, policy: DraftPolicy, scorer:
     path = [node for node, keep in enumerate(values[: len(tree)]) if keep]
     passes.keep_tree_path(runner, checked, tree, path, start)
     out.emit(tree.path_tokens(path) + [int(values[len(tree)])])
-    record_tree_round(policy, stats, draft, path, draft_seconds=clock.seconds(began, drafted_at),
+    record_tree_round(d.policy, d.stats, draft, path, draft_seconds=clock.seconds(began, drafted_at),
                       verify_seconds=clock.seconds(drafted_at, verified_at))
-
-
-def record_tree_round(policy: DraftPolicy, stats: GenerationStats, draft: Draft, path: list[int], *, draft_seconds: float,
-                      verify_seconds: float) -> None:
-    """What a verified tree tells the stats and the policy (the eager loop's and the static step's)."""
-    tree = draft.tree
-    first_recycled = len(tree) - len(draft.recycled)  # the tree's last nodes are the recycled ones
-    on_path = set(path)
-    kept = [node in on_path for node in range(first_recycled, len(tree))]  # per recycled node
-    recycled_kept = sum(kept)
-    if draft.recycled:
-        policy.observe_recycled(depths=tree.depths()[1 + first_recycled :], values=draft.recycled, kept=kept)
-    stats.record_round(drafted=len(tree), accepted=len(path), draft_seconds=draft_seconds,
-                       verify_seconds=verify_seconds, source=f"{draft.source} tree",
-                       recycled=(len(draft.recycled), recycled_kept))
-    # An n-gram tree teaches the policy how far its first path (the chain it would have verified) was kept; a
-    # layer tree, how deep its kept path went (its confidences are the share of probability each level kept).
-    kept = len(path) if draft.source == "layers" else tree.first_path_kept(path)
-    policy.observe(draft, kept, draft_seconds=draft_seconds, verify_seconds=verify_seconds, width=len(tree) + 1,
-                   emitted=len(path) + 1)
-
-
-def recycling_this_round(policy: DraftPolicy, successors: SuccessorTable | None, stats: GenerationStats) -> SuccessorTable | None:
-    """`successors` when this round records and may draft recycled nodes; None without them, or while the
-    policy's ledger has recycling paused (`policy.RecycleLedger`: it did not pay)."""
-    if successors is None:
-        return None
-    if not policy.recycling:
-        stats.recycling_paused += 1
-        return None
-    return successors
 
 
 def read_back(packed: list[torch.Tensor], top: tuple[torch.Tensor, torch.Tensor] | None) -> list[float]:

@@ -80,6 +80,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 import selfspec
 import selfspec.engine
+import selfspec.rounds
 import selfspec.auto_layers
 import selfspec.static_loop
 from selfspec.acceptance import Verdict, accept_sampling, accept_sampling_on_device, sample
@@ -576,7 +577,7 @@ def test_end_to_end_check_has_power(model, monkeypatch):
     """An engine that always accepts its draft must fail the same end-to-end check, even at N = 400 runs."""
     plan, sampling, warpers = CASES["T=1, exit_layer=2, k=3"]
     exact = exact_joint(model, warpers, NEW)
-    monkeypatch.setattr(selfspec.engine, "accept_sampling", always_accept)
+    monkeypatch.setattr(selfspec.rounds, "accept_sampling", always_accept)
     counts, totals = run_many(selfspec.wrap(model, plan=plan), 400, seed=11, **sampling)
     assert totals["accepted"] == totals["drafted"] > 0
     with pytest.raises(AssertionError, match="differs from the exact one"):
