@@ -137,7 +137,7 @@ def draft_read_fraction(parts: ModelParts, drafter: Drafter, *, head: ExitHead |
     layers, head_bytes = layer_weights(parts)  # bytes per layer; the LM head with the final norm
     plain = sum(layers) + head_bytes
     if head is not None:
-        layers.append(float(parameter_bytes([head.layer])))
+        layers.append(float(parameter_bytes([head])))
     drafted = sum(layers[i] for i in (*drafter.prefix_layers, *drafter.other_layers))
     rows = head_bytes if vocab is None else float(tensor_bytes(vocab.weight))
     return (drafted + rows) / plain

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .feature_head import FeatureHead
 from .head import ExitHead
 from .ngram import NgramIndex, agreement
 from .plan import DraftPlan
@@ -69,7 +70,13 @@ class Drafter:
         self.set_layers(plan.draft_layers(num_layers))
         self.head = head
         self.vocab = vocab
-        if head is not None:
+        self.features = head if isinstance(head, FeatureHead) else None
+        if self.features is not None:
+            if plan.draft_layers(num_layers):
+                raise ValueError(f"the feature head {plan.head} drafts without the target's layers: "
+                                 "drop the plan's layers= and exit_layer=")
+            self.set_layers((head.slot,))
+        elif head is not None:
             if plan.exit_layer != head.exit_layer:
                 raise ValueError(
                     f"the head {plan.head} was trained for exit_layer={head.exit_layer}, "
@@ -152,18 +159,23 @@ class Drafter:
         level = [-1]  # the proposals the next pass runs (-1: the last token)
         coverage: float | None = None
         confidences: list[float] = []  # per level: the share of its parents' probability it kept
+        states: dict[int, torch.Tensor] = {}  # a feature head: each node of the last level's output `[1, 1, hidden]`
         depth = 0
         # Every row a pass writes fits in the verify pass's room (the tree's node budget, plus the last token).
         while len(ran) + (len(level) if depth else 0) <= self.tree_nodes and policy.draft_next(depth, coverage):
             if not depth:
-                hidden = runner.run(runner.embed([tokens[-1]], start), layers, start)  # [1, 1, hidden]
+                hidden = self.tree_inputs(runner, runner.embed([tokens[-1]], start), None)  # [1, 1, hidden]
+                hidden = runner.run(hidden, layers, start)
             else:
                 first_row = len(ran) + 1
                 ran += level
                 grown = TokenTree(tuple(proposals[i][2] for i in ran),
                                   tuple(-1 if proposals[i][1] < 0 else ran.index(proposals[i][1]) for i in ran))
                 hidden = runner.embed([proposals[i][2] for i in level], start, grown, first_row)  # [1, w, hidden]
-                hidden = runner.run(hidden, layers, start, grown, first_row=first_row)
+                parents = [states[proposals[i][1]] for i in level] if self.features is not None else None
+                hidden = runner.run(self.tree_inputs(runner, hidden, parents), layers, start, grown,
+                                    first_row=first_row)
+            states = {node: hidden[:, j : j + 1] for j, node in enumerate(level)}
             logits = runner.logits(hidden, self.vocab)  # [w, vocab]
             if scorer.processors:  # each row conditioned on its own path
                 contexts = [tokens + _lineage(proposals, node) for node in level]
@@ -278,10 +290,37 @@ class Drafter:
         are appended to `boundary` (the verify pass resumes from them).
         """
         ids = token if isinstance(token, torch.Tensor) else [token]
+        if self.features is not None:
+            return self.feature_step(runner, ids, position)
         hidden = runner.run(runner.embed(ids, position), self.prefix_layers, position)  # [1, 1, hidden]
         if boundary is not None:
             boundary.append(hidden)
         hidden = runner.run(hidden, self.other_layers, position)
+        return runner.logits(hidden, self.vocab)
+
+    def tree_inputs(self, runner: LayerRunner, embeds: torch.Tensor, parents: list[torch.Tensor] | None):
+        """A tree level's input `[1, w, hidden]`: the embeddings, joined for a feature head with each node's
+        parent's output (`parents`, `[1, 1, hidden]` each; None for the root: the target's f)."""
+        if self.features is None:
+            return embeds
+        if parents is None:
+            before = runner.head_feature if runner.head_feature is not None else torch.zeros_like(embeds)
+        else:
+            before = torch.cat(parents, dim=1)
+        return self.features.inputs(embeds, before)
+
+    def feature_step(self, runner: LayerRunner, ids, position: int) -> torch.Tensor:
+        """A feature head's draft step: (the state before `position`, the token's embedding) through the head.
+
+        The state is the target's fused f for the round's first step, then the
+        head's own output (zero before any pass, as when costs are measured).
+        """
+        embeds = runner.embed(ids, position)  # [1, 1, hidden]
+        before = runner.draft_feature if runner.draft_feature is not None else runner.head_feature
+        if before is None:
+            before = torch.zeros_like(embeds)
+        hidden = runner.run(self.features.inputs(embeds, before), self.other_layers, position)  # [1, 1, hidden]
+        runner.draft_feature = hidden
         return runner.logits(hidden, self.vocab)
 
 

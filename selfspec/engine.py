@@ -30,6 +30,7 @@ from .cost_tables import CostTables, draft_read_fraction, handed_costs
 from .costs import PassCosts, RuntimeCosts, measure_pass_costs
 from .cpu_kernels import AttentionKernels, LinearKernels
 from .draft import Drafter
+from .feature_head import FeatureHead, artifact_kind, load_feature_head
 from .head import ExitHead, load_head
 from .hf_generation import GenerationSettings, inferred_padding, resolve_settings
 from .inputs import check_context, check_prompts
@@ -103,6 +104,17 @@ def _as_plan(plan, adapter: Adapter, config) -> DraftPlan:
                      f"got {type(plan).__name__}")
 
 
+def load_any_head(plan: DraftPlan, *, model, parts):
+    """The plan's head: a feature head when its manifest says so (the plan then names no exit), else an exit head."""
+    if artifact_kind(plan.head) == "feature_head":
+        if plan.exit_layer is not None:
+            raise ValueError(f"the feature head {plan.head} drafts without the target's layers: drop exit_layer=")
+        return load_feature_head(plan.head, model=model, parts=parts)
+    if plan.exit_layer is None:
+        raise ValueError(f"head={plan.head!r} needs exit_layer=E, the exit the head was trained for")
+    return load_head(plan.head, model=model, parts=parts)
+
+
 class SelfSpecModel:
     """A model wrapped for self-speculative decoding; `generate()` works as in transformers."""
 
@@ -116,10 +128,10 @@ class SelfSpecModel:
         self.parts: ModelParts = adapter.bind(model)
         self.plan = plan
         self.quantization = describe_quantization(model)  # None, or which weights are quantized and how
-        self.head: ExitHead | None = None
+        self.head: ExitHead | FeatureHead | None = None
         self.vocab: DraftVocab | None = None
         if plan.drafts and plan.head is not None:
-            self.head = load_head(plan.head, model=model, parts=self.parts)
+            self.head = load_any_head(plan, model=model, parts=self.parts)
         if plan.drafts and plan.draft_vocab is not None:
             self.vocab = load_vocab(plan.draft_vocab, plan.draft_vocab_size, model=model, parts=self.parts)
         # Drafter validates the plan against the model (layer indices, the head's exit).

@@ -10,7 +10,10 @@ resumes at layer s. It returns logits and decides nothing: acceptance is
 With a trained exit head (`head.py`, layer N of the cache) the head's entries
 must cover every verified token: the prefill and the verify pass keep the
 states after layer E-1, and `fill_head` runs the head on the verified tokens
-the draft did not already cover.
+the draft did not already cover. With a feature head (`feature_head.py`) the
+passes keep the fused states after its read layers instead, and `fill_head`
+rewrites the head's entries for the kept tokens from them (its drafted
+entries read predicted states).
 
 This module does not know plans beyond the exact prefix, sampling or stopping.
 """
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .feature_head import FeatureHead
 from .head import ExitHead
 from .runner import LayerRunner
 from .tree import TokenTree, compact
@@ -31,21 +35,30 @@ class Checked:
     """What a verify pass computed."""
 
     logits: torch.Tensor  # [k+1, vocab] target logits
-    exit_states: torch.Tensor | None  # [1, k+1, hidden] states after layer E-1 (only with a head)
+    exit_states: torch.Tensor | None  # [1, k+1, hidden] states after layer E-1 (only with an exit head)
+    features: torch.Tensor | None = None  # [1, k+1, hidden] a feature head's fused states per row (`FeatureHead`)
+    ids: torch.Tensor | None = None  # [1, k+1] the rows' tokens (with a feature head)
 
 
 class TargetPasses:
     """Full passes of a model with `num_layers` layers, for a draft whose layers 0..exact_prefix-1 are exact."""
 
-    def __init__(self, num_layers: int, *, exact_prefix: int, head: ExitHead | None = None) -> None:
+    def __init__(self, num_layers: int, *, exact_prefix: int, head: ExitHead | FeatureHead | None = None) -> None:
         self.num_layers = num_layers
         self.exact_prefix = exact_prefix
         self.head = head
+        self.features = head if isinstance(head, FeatureHead) else None
         self.probe = None  # when set, the next passes report each layer's (input, output) to it (`auto_layers.py`)
 
     def prefill(self, runner: LayerRunner, prompt: list[int]) -> torch.Tensor:
         """Run the prompt through the target (and the head, to fill its cache); `[1, vocab]` logits of its last row."""
         hidden = runner.embed(prompt, 0)  # [1, prompt, hidden]
+        if self.features is not None:
+            ids = torch.tensor([prompt], device=runner.positions.device)  # [1, prompt]
+            runner.head_feature = None  # a new sequence: f before position 0 is zero
+            last, features = self.run_reading(runner, hidden, 0)
+            self.fill_features(runner, Checked(None, None, features, ids), 0, len(prompt))
+            return runner.logits(last[:, -1:])
         rest = range(self.num_layers)
         if self.head is not None:
             hidden = runner.run(hidden, range(self.head.exit_layer), 0, probe=self.probe)
@@ -68,6 +81,9 @@ class TargetPasses:
         else:
             hidden = runner.embed(ids, start)  # [1, k+1, hidden]
         runner.cache.crop(start, layers=range(s, self.num_layers))  # drop the draft's inexact entries
+        if self.features is not None:
+            last, features = self.run_reading(runner, hidden, start)
+            return Checked(runner.logits(last), None, features, ids)
         exit_states = None
         if self.head is not None:  # keep the states after layer E-1 for the head's cache
             exit_layer = self.head.exit_layer
@@ -84,6 +100,9 @@ class TargetPasses:
         """
         runner.cache.crop(start, layers=range(self.num_layers))
         hidden = runner.embed(ids, start, tree)  # [1, n+1, hidden]
+        if self.features is not None:
+            last, features = self.run_reading(runner, hidden, start, tree)
+            return Checked(runner.logits(last), None, features, ids)
         exit_states, s = None, 0
         if self.head is not None:  # keep the states after layer E-1 for the head's cache
             hidden = exit_states = runner.run(hidden, range(self.head.exit_layer), start, tree, probe=self.probe)
@@ -101,14 +120,54 @@ class TargetPasses:
         if checked.exit_states is not None:  # the head's cache: the states of the root and the kept path, in order
             rows = torch.tensor([0] + [node + 1 for node in path], device=checked.exit_states.device)
             checked = Checked(checked.logits, checked.exit_states[:, rows])
+        if checked.features is not None:  # the kept rows, in order: a chain from the root
+            rows = torch.tensor([0] + [node + 1 for node in path], device=checked.features.device)
+            checked = Checked(checked.logits, None, checked.features[:, rows], checked.ids[:, rows])
         self.fill_head(runner, checked, start, keep)
         return keep
 
     def fill_head(self, runner: LayerRunner, checked: Checked, start: int, keep: int) -> None:
         """After the roll back to `keep` positions: give the head entries for the verified tokens it lacks."""
+        if checked.features is not None:
+            self.fill_features(runner, checked, start, keep)
+            return
         if self.head is None or checked.exit_states is None:
             return
         slot = self.head.slot
         have = runner.cache.lengths[slot]  # start..keep: the draft's entries are exact (E is the exact prefix)
         if have < keep:
             runner.run(checked.exit_states[:, have - start : keep - start], [slot], have)
+
+    def run_reading(self, runner: LayerRunner, hidden: torch.Tensor, start: int,
+                    tree: TokenTree | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer on `hidden` `[1, q, hidden]` from position `start`: the last states and the feature
+        head's fused states `[1, q, hidden]` (from the states after its read layers)."""
+        states, s = [], 0
+        for r in self.features.reads:
+            hidden = runner.run(hidden, range(s, r + 1), start, tree, probe=self.probe)
+            states.append(hidden)
+            s = r + 1
+        return runner.run(hidden, range(s, self.num_layers), start, tree, probe=self.probe), self.features.fused(states)
+
+    def fill_features(self, runner: LayerRunner, checked: Checked, start: int, keep: int) -> None:
+        """A feature head's entries for positions up to `keep` from the target's states of rows start..keep-1.
+
+        Only the head's first draft step (at `start`) read the target's
+        state; its later entries are dropped and rewritten. Row r's input is
+        (f of row r - 1, the embedding of row r's token); row 0's f is the
+        one kept from the last pass (`runner.head_feature`).
+        """
+        slot = self.features.slot
+        have = min(runner.cache.lengths[slot], start + 1)
+        runner.cache.crop(have, layers=[slot])
+        kept = keep - start
+        features = checked.features[:, :kept]  # [1, kept, hidden]
+        before = runner.head_feature
+        if before is None:
+            before = torch.zeros_like(features[:, :1])
+        if have < keep:
+            preceding = torch.cat([before, features[:, :-1]], dim=1)[:, have - start :]  # [1, keep - have, hidden]
+            inputs = self.features.inputs(runner.embed(checked.ids[:, have - start : kept], have), preceding)
+            runner.run(inputs, [slot], have)
+        runner.head_feature = features[:, -1:]  # [1, 1, hidden]: f at position keep - 1
+        runner.draft_feature = None

@@ -72,8 +72,10 @@ class DraftPlan:
     Two optional artifacts make the layer draft better or cheaper (each a path
     to a manifest, resolved against the plan file's folder when loaded from one):
 
-    - `head=PATH`: a trained exit head (`head.py`, `selfspec train-head`) run after
-      layer E-1; it needs `exit_layer=E`, the exit it was trained for;
+    - `head=PATH`: a trained exit head (`head.py`) run after layer E-1, with
+      `exit_layer=E`, the exit it was trained for; or a feature head
+      (`feature_head.py`), which drafts from the target's states alone (no
+      `layers` or `exit_layer`);
     - `draft_vocab=PATH`, `draft_vocab_size=K`: the draft scores only the K most
       frequent tokens of a counted vocabulary (`vocab.py`; K=0: every counted
       token). The target still verifies over the full vocabulary.
@@ -150,8 +152,9 @@ class DraftPlan:
                 f"draft_vocab_size={self.draft_vocab_size} needs draft_vocab=PATH, the vocabulary file it takes "
                 "the most frequent tokens from"
             )
-        if self.head is not None and self.exit_layer is None:
-            raise ValueError(f"head={self.head!r} needs exit_layer=E, the exit the head was trained for")
+        if self.head is not None and self.layers is not None:
+            raise ValueError(f"head={self.head!r} with layers=: an exit head needs exit_layer=E, the exit it was "
+                             "trained for; a feature head takes neither")
         if self.layers is not None and self.exit_layer is not None:
             raise ValueError(
                 f"DraftPlan takes either layers= or exit_layer=, not both "
@@ -167,9 +170,10 @@ class DraftPlan:
         if self.exit_layer is not None:
             _check_int("exit_layer", self.exit_layer, 1, None)
             return
-        if (self.layers is None or len(self.layers) == 0) and not self.ngram and not self.auto and not self.recycle:
+        if (not self.layers and not self.ngram and not self.auto and not self.recycle
+                and (self.head is None or self.layers is not None)):
             raise ValueError(
-                "empty plan: give exit_layer=E (E >= 1) or a non-empty layers=[...] list, "
+                "empty plan: give exit_layer=E (E >= 1), a non-empty layers=[...] list or a feature head=PATH, "
                 "or draft_length=0 for plain decoding"
             )
         if self.layers is None:
@@ -251,14 +255,16 @@ class DraftPlan:
             where = "layers chosen per context (auto)"
         elif layers:
             where = f"{len(layers)}/{num_layers} layers {list(layers)}"
+        elif self.head is not None:
+            where = f"feature head {os.path.basename(self.head)}"
         else:
             where = "no layer draft"
-        if self.head is not None:
+        if self.head is not None and self.exit_layer is not None:
             where += f" + trained head {os.path.basename(self.head)}"
         if self.draft_vocab is not None:
             size = self.draft_vocab_size or "all counted"
             where += f", draft vocabulary {size} from {os.path.basename(self.draft_vocab)}"
-        if self.tree and (layers or self.auto):
+        if self.tree and (layers or self.auto or self.head is not None):
             where += " (branching where unsure)"
         if self.recycle:
             where = f"recycled predictions, then {where}"

@@ -50,6 +50,11 @@ class LayerRunner:
         # its width is free: a memory-bound machine)
         self.positions = torch.arange(capacity, device=device)[None]  # [1, capacity]
         self.rotary = self.rotary_tables(self.positions)
+        # A feature head's (`feature_head.py`) inputs, `[1, 1, hidden]` each: f at the last cached position (set by
+        # the passes), and its own output at the last drafted position this round (set by the draft; None after
+        # a verify pass).
+        self.head_feature: torch.Tensor | None = None
+        self.draft_feature: torch.Tensor | None = None
 
     def rotary_tables(self, positions: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
         """(cos, sin) per layer type, each `[1, capacity, rot_dim]`, for `positions` `[1, capacity]`.

@@ -135,6 +135,20 @@ def make_head(model, path, *, exit_layer: int, source_layer: int | None = None, 
     return save_head(path, head, model=model, parts=parts, training={"note": "untrained test head"})
 
 
+def make_feature_head(model, path, *, reads: tuple[int, ...] | None = None, noise: float = 0.05, seed: int = 0):
+    """Save an (untrained) feature head for `model`, its weights perturbed by `noise`."""
+    from selfspec.registry import model_parts
+    from selfspec.feature_head import FeatureHead, save_feature_head
+
+    parts = model_parts(model)
+    head = FeatureHead.from_model(parts, reads=reads)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in head.parameters():
+            param.add_(noise * torch.randn(param.shape, generator=g, dtype=param.dtype).to(param.device))
+    return save_feature_head(path, head, model=model, parts=parts, training={"note": "untrained test head"})
+
+
 def make_vocab(model, path, *, seed: int = 0):
     """Save a draft vocabulary for `model` counted on random sequences (skewed, so the order matters)."""
     from selfspec.registry import model_parts

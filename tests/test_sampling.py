@@ -44,7 +44,7 @@ c = ln(2 V / DELTA), so each check falsely fails with probability at most
 DELTA = 1e-7, whatever the number of cells. A cell with p_i = 0 that is ever
 observed gives KL = inf: an impossible token fails the check outright.
 
-This file runs CHECKS_IN_FILE = 176 such checks on samples whose law is the
+This file runs CHECKS_IN_FILE = 200 such checks on samples whose law is the
 reference law (test 1: 6 pairs for each of the two implementations of the
 rule, the host one and the device one of the static step, + 4 Markov-chain
 checks + 1 token-tree check + 7 checks that the wrong-rule harnesses produce
@@ -85,11 +85,11 @@ import selfspec.auto_layers
 import selfspec.static_loop
 from selfspec.acceptance import Verdict, accept_sampling, accept_sampling_on_device, sample
 from selfspec.stats import GenerationStats
-from selfspec.testing import make_head, make_vocab
+from selfspec.testing import make_feature_head, make_head, make_vocab
 from selfspec.tree import TokenTree, accept_tree_sampling, accept_tree_sampling_on_device
 
 DELTA = 1e-7  # false-failure probability bound of one `assert_distribution` check
-CHECKS_IN_FILE = 176  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
+CHECKS_IN_FILE = 200  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -415,6 +415,7 @@ def artifacts(model, tmp_path_factory):
     return {
         "head": str(make_head(model, folder / "head", exit_layer=2, source_layer=3, noise=0.05)),
         "vocab": str(make_vocab(model, folder / "vocab")),
+        "features": str(make_feature_head(model, folder / "features", noise=0.05)),
     }
 
 
@@ -494,6 +495,18 @@ RECYCLED_CASE = "T=1, recycled trees (<= 6 nodes), k<=3"
 CASES[RECYCLED_CASE] = (selfspec.DraftPlan(recycle=True, tree=6, draft_length=3, policy="fixed"),
                         dict(temperature=1.0), LogitsProcessorList([]))
 CASES[f"static step: {RECYCLED_CASE}"] = CASES[RECYCLED_CASE]
+# A feature head (`feature_head.py`): drafts from the target's fused states, then from its own; as a chain, on the
+# static step, and as a tree grown from its likeliest nodes.
+FEATURE_CASE = "T=1, feature head, k=3"
+CASES[FEATURE_CASE] = (lambda a: selfspec.DraftPlan(head=a["features"], draft_length=3, policy="fixed"),
+                       dict(temperature=1.0), LogitsProcessorList([]))
+CASES[f"static step: {FEATURE_CASE}"] = CASES[FEATURE_CASE]
+FEATURE_TREE_CASE = "T=0.8, top_p=0.9, feature head drafts a tree (<= 6 nodes), k=3"
+CASES[FEATURE_TREE_CASE] = (
+    lambda a: selfspec.DraftPlan(head=a["features"], tree=6, draft_length=3, policy="fixed"),
+    dict(temperature=0.8, top_p=0.9),
+    LogitsProcessorList([TemperatureLogitsWarper(0.8), TopPLogitsWarper(0.9)]),
+)
 PROMPTS = {case: TREE_PROMPT for case in CASES if "trees" in case}
 STEPS = {case: "static" for case in CASES if case.startswith("static step")}
 
@@ -548,7 +561,7 @@ def test_sampling_matches_exact_target_law(model, artifacts, case, monkeypatch):
         assert totals["tree_rounds"] > N_E2E / 4 and totals["recycled_accepted"] > N_E2E / 10, totals
     elif case in PROMPTS:  # trees were verified, not just chains (a tree's round has no bonus: not all nodes are kept)
         assert totals["tree_rounds"] > N_E2E / 2 and totals["recovered"] > 0, totals
-    elif case == HEAD_TREE_CASE:
+    elif case in (HEAD_TREE_CASE, FEATURE_TREE_CASE):
         assert totals["layer_tree_rounds"] > N_E2E / 2 and totals["recovered"] > 0, totals
     else:
         assert totals["recovered"] > 0 and totals["bonus"] > 0, totals
