@@ -33,6 +33,7 @@ from .batch_draft import BATCH_MARGIN, BatchRow, DraftRound, DraftSource, LayerR
 from .batch_runner import BatchRunner
 from .cpu_kernels import NO_ATTENTION_CHANGE, NO_CHANGE, AttentionKernels, LinearKernels, cpu_kernels
 from .costs import PassCosts, RuntimeCosts
+from .feature_head import FeatureHead
 from .head import ExitHead
 from .hf_generation import GenerationSettings
 from .output import Clock, Output
@@ -58,7 +59,7 @@ class BatchSession:
     def __init__(self, parts: ModelParts, plan: DraftPlan, *, settings_for: Callable[..., GenerationSettings],
                  costs_for: Callable[[int, bool], RuntimeCosts], check_context: Callable[[int, int], None],
                  linear: LinearKernels = NO_CHANGE, attention: AttentionKernels = NO_ATTENTION_CHANGE,
-                 draft_layers: tuple[int, ...] = (), head: ExitHead | None = None,
+                 draft_layers: tuple[int, ...] = (), head: ExitHead | FeatureHead | None = None,
                  vocab: DraftVocab | None = None) -> None:
         self.parts = parts
         # How the linear layers and the attention run here (`cpu_kernels.py`), for every pass of the session.
@@ -132,6 +133,8 @@ class BatchSession:
         index = self.runner.cache.add_row()
         ids = torch.tensor([prompt], device=self.runner.positions.device)  # [1, prompt]
         logits = self.runner.forward_rows(ids, [0], slice(index, index + 1), last=True, head=self.head)[:, -1]
+        if isinstance(self.head, FeatureHead):
+            row.feature = self.runner.fused[:, -1:]  # [1, 1, hidden]
         scores = row.scorer.scores(logits, row.out.tokens, len(row.out.tokens))  # [1, vocab]
         row.out.emit([row.scorer.target_choice(scores)])
         row.stats.verify_passes += 1
@@ -161,8 +164,10 @@ class BatchSession:
         # 3. verify: one pass over [rows, width], each row its last token and its draft, padded
         ids = [[row.out.tokens[-1], *d] + [row.out.tokens[-1]] * (width - 1 - len(d))
                for row, d in zip(self.rows, drafts)]
+        features = isinstance(self.head, FeatureHead)
+        before = torch.cat([row.feature for row in self.rows]) if features else None  # [n, 1, hidden]
         logits = self.runner.forward_rows(torch.tensor(ids, device=self.runner.positions.device), batch.starts,
-                                          slice(0, n), head=self.head)  # [n, width, vocab]
+                                          slice(0, n), head=self.head, before=before)  # [n, width, vocab]
         verify_seconds = clock.lap()
         if batch.costs is not None:
             batch.costs.observe_verify(width, 0, verify_seconds)
@@ -182,6 +187,8 @@ class BatchSession:
                 verdict = accept_greedy(draft, scores)
             # 5. roll back: the row keeps its last token and the accepted drafted tokens
             self.runner.cache.lengths[i] = batch.starts[i] + 1 + verdict.accepted
+            if features:  # f at the row's last cached position
+                row.feature = self.runner.fused[i : i + 1, verdict.accepted : verdict.accepted + 1]
             # 6. emit and record
             kept = draft[: verdict.accepted] + [verdict.next_token]
             row.out.emit(kept)

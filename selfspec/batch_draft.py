@@ -30,6 +30,7 @@ import torch
 
 from .batch_runner import BatchRunner
 from .draft import Draft
+from .feature_head import FeatureHead
 from .head import ExitHead
 from .ngram import NgramIndex, agreement
 from .output import Output
@@ -54,6 +55,7 @@ class BatchRow:
     scorer: Scorer
     prompt_length: int
     ngrams: NgramIndex | None = None  # its n-gram lookup, kept up to date as it grows
+    feature: torch.Tensor | None = None  # a feature head's f at its last cached position `[1, 1, hidden]`
     stats: GenerationStats = field(default_factory=GenerationStats)
     began: float = field(default_factory=time.perf_counter)
 
@@ -174,9 +176,10 @@ class NgramRows:
 
 
 class LayerRows:
-    """The plan's draft layers (an exit head as layer N; a draft vocabulary) for every row, one pass a token."""
+    """The plan's draft layers (an exit head as layer N, or a feature head alone; a draft vocabulary) for every
+    row, one pass a token."""
 
-    def __init__(self, layers: tuple[int, ...], *, head: ExitHead | None = None, vocab: DraftVocab | None = None,
+    def __init__(self, layers: tuple[int, ...], *, head: ExitHead | FeatureHead | None = None, vocab: DraftVocab | None = None,
                  threshold: float | None = None) -> None:
         self.layers = layers
         self.head = head
@@ -194,11 +197,16 @@ class LayerRows:
         longest = max(batch.budgets[i] for i in serve)
         for i in serve:
             batch.drafts[i].source = "layers"
+        features = self.head if isinstance(self.head, FeatureHead) else None
+        before = None
+        if features is not None and all(row.feature is not None for row in rows):
+            before = torch.cat([row.feature for row in rows])  # [rows, 1, hidden]
         while batch.layer_steps < longest and self.go_on(batch, serve):
             j = batch.layer_steps
             logits = self.runner.draft_rows(torch.tensor(inputs, device=device)[:, None],
                                             [s + j for s in batch.starts], slice(0, len(rows)), self.layers,
-                                            self.vocab)  # [rows, vocab]
+                                            self.vocab, head=features, before=before)  # [rows, vocab]
+            before = self.runner.drafted
             batch.layer_steps += 1
             for i in serve:
                 if j >= batch.budgets[i]:

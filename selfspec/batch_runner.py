@@ -19,6 +19,7 @@ import torch
 
 from .cpu_kernels import chosen_kernels
 from .costs import MEASURE_CONTEXT, PassCosts, fastest, interpolate, long_context, machine_description
+from .feature_head import FeatureHead
 from .head import ExitHead
 from .parts import ModelParts, soft_cap
 from .runner import LayerRunner
@@ -129,6 +130,8 @@ class BatchRunner(LayerRunner):
     """Runs the target's layers on a block of rows, each row at its own positions (`BatchedKVCache`)."""
 
     cache_class = BatchedKVCache
+    fused: torch.Tensor | None = None  # a feature head's fused states of the last full pass's rows `[r, q, hidden]`
+    drafted: torch.Tensor | None = None  # a feature head's outputs of the last draft step `[r, 1, hidden]`
 
     def grow(self, capacity: int) -> None:
         """Room for `capacity` positions per row: the cache and the rotary tables."""
@@ -172,7 +175,7 @@ class BatchRunner(LayerRunner):
         return self.run_layers(hidden, layers, mask_for=step.mask, rotary=step.rotary, position_ids=step.slots)
 
     def forward_rows(self, ids: torch.Tensor, starts: list[int], rows: slice, *, last: bool = False,
-                     head: ExitHead | None = None) -> torch.Tensor:
+                     head: ExitHead | FeatureHead | None = None, before: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits `[r, q, vocab]` of the full model over `ids` `[r, q]`; row j's tokens at starts[j]..
 
         Each row must hold exactly `starts[j]` valid entries; after the pass it
@@ -184,7 +187,10 @@ class BatchRunner(LayerRunner):
         step = self.begin_pass(starts, ids.shape[1], rows)
         hidden = self.embed_rows(ids, step)  # [r, q, hidden]
         first = 0
-        if head is not None:
+        if isinstance(head, FeatureHead):
+            hidden = self.run_feature_rows(hidden, head, step, before)
+            first = head.reads[-1] + 1
+        elif head is not None:
             hidden = self.run_rows(hidden, range(head.exit_layer), step)
             self.run_rows(hidden, [head.slot], step)
             first = head.exit_layer
@@ -199,15 +205,37 @@ class BatchRunner(LayerRunner):
         return soft_cap(logits, self.parts.logit_softcap).float()
 
     def draft_rows(self, ids: torch.Tensor, starts: list[int], rows: slice, layers,
-                   vocab: DraftVocab | None = None) -> torch.Tensor:
+                   vocab: DraftVocab | None = None, *, head: FeatureHead | None = None,
+                   before: torch.Tensor | None = None) -> torch.Tensor:
         """One drafted token for each row: `layers` on `ids` `[r, 1]` at starts[j]; `[r, vocab]` float32 logits.
 
         Writes only `layers`' entries, at each row's slot past its length: the
         verify pass writes every layer's there anew. The rows' lengths stay.
+        A feature `head` runs alone on the tokens joined with `before` `[r, 1,
+        hidden]` (zeros for None); its outputs are kept in `drafted`.
         """
         step = self.begin_pass(starts, 1, rows)
-        hidden = self.run_rows(self.embed_rows(ids, step), layers, step)  # [r, 1, hidden]
+        hidden = self.embed_rows(ids, step)  # [r, 1, hidden]
+        if head is not None:
+            hidden = self.drafted = self.run_rows(head.inputs(hidden, _or_zeros(before, hidden)), [head.slot], step)
+        else:
+            hidden = self.run_rows(hidden, layers, step)  # [r, 1, hidden]
         return self.logits(hidden.transpose(0, 1), vocab)  # [r, vocab]
+
+    def run_feature_rows(self, hidden: torch.Tensor, head: FeatureHead, step: RowPass,
+                         before: torch.Tensor | None) -> torch.Tensor:
+        """The target's layers up to the head's last read layer on `hidden` `[r, q, hidden]`, then the head on the
+        rows' fused states (kept in `fused`, `[r, q, hidden]`); the states after the last read layer."""
+        states, first = [], 0
+        embeds = hidden
+        for r in head.reads:
+            hidden = self.run_rows(hidden, range(first, r + 1), step)
+            states.append(hidden)
+            first = r + 1
+        self.fused = head.fused(states)  # [r, q, hidden]
+        preceding = torch.cat([_or_zeros(before, embeds[:, :1]), self.fused[:, :-1]], dim=1)
+        self.run_rows(head.inputs(embeds, preceding), [head.slot], step)
+        return hidden
 
     def row_mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """`[r, 1, q, span]` mask from `[r, q, span]`: bool for sdpa, additive for eager."""
@@ -215,6 +243,10 @@ class BatchRunner(LayerRunner):
             return allowed[:, None]
         additive = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
         return additive.masked_fill(~allowed, torch.finfo(self.dtype).min)[:, None]
+
+
+def _or_zeros(states: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if states is None else states
 
 
 def measure_batch_costs(parts: ModelParts, *, rows: int, max_width: int, repeats: int = 2, draft_layers=(),
@@ -243,7 +275,8 @@ def measure_batch_costs(parts: ModelParts, *, rows: int, max_width: int, repeats
         return lambda: runner.forward_rows(ids[:, :q], [context] * rows, everyone)
 
     def draft_step(context: int) -> Callable[[], None]:
-        return lambda: runner.draft_rows(ids[:, :1], [context] * rows, everyone, draft_layers, vocab)
+        return lambda: runner.draft_rows(ids[:, :1], [context] * rows, everyone, draft_layers, vocab,
+                                         head=head if isinstance(head, FeatureHead) else None)
 
     timed = {(q, c): full_pass(q, c) for q in widths for c in contexts}
     if draft_layers:

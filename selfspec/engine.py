@@ -391,7 +391,9 @@ class SelfSpecModel:
     def _batch_draft_layers(self) -> tuple[int, ...]:
         """The layers a batch's draft step runs: the plan's (an auto plan's reference set), or 0..E-1 and a head."""
         layers = self.plan.draft_layers(self.parts.num_layers)
-        if self.head is not None:
+        if isinstance(self.head, FeatureHead):
+            layers = (self.head.slot,)
+        elif self.head is not None:
             layers = (*range(self.head.exit_layer), self.head.slot)
         return tuple(layers)
 

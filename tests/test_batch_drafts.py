@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import selfspec
-from selfspec.testing import TINY_CONFIGS, make_head, make_vocab, tiny_model
+from selfspec.testing import TINY_CONFIGS, make_feature_head, make_head, make_vocab, tiny_model
 from test_batch import alone, assert_rows_alone, repetitive
 
 ARCHS = sorted(TINY_CONFIGS)
@@ -43,8 +43,10 @@ def test_two_rows_with_three_layers_draft_layer_tokens(dtype):
     assert stats.passes < sum(s.verify_passes for s in stats.row_stats)  # the rows verified together
 
 
-def plans(head, vocab) -> list[selfspec.DraftPlan]:
+def plans(head, vocab, features) -> list[selfspec.DraftPlan]:
     return [
+        selfspec.DraftPlan(head=str(features), draft_length=4, policy="fixed"),
+        selfspec.DraftPlan(head=str(features), draft_vocab=str(vocab), draft_vocab_size=20, ngram=2, draft_length=3),
         THREE_LAYERS,
         selfspec.DraftPlan(layers=(0, 2, 5), draft_length=3, adaptive=True, threshold=0.3, policy="fixed"),
         selfspec.DraftPlan(exit_layer=2, head=str(head), draft_length=4, policy="fixed"),
@@ -60,8 +62,9 @@ def test_layer_drafts_in_a_batch_equal_each_prompt_alone(arch, tmp_path):
     model = tiny_model(arch, torch.float64)
     head = make_head(model, tmp_path / "head", exit_layer=2, noise=0.05)
     vocab = make_vocab(model, tmp_path / "vocab")
+    features = make_feature_head(model, tmp_path / "features")
     prompts = [repetitive(14, seed=3), repetitive(6, seed=4), repetitive(3, seed=5)]
-    for i, plan in enumerate(plans(head, vocab)):
+    for i, plan in enumerate(plans(head, vocab, features)):
         spec = selfspec.wrap(model, plan=plan, costs="flat" if plan.policy == "cost" else None)
         assert_rows_alone(model, spec, prompts, max_new_tokens=(1, 17, 26)[i % 3])
         if i % 3:
@@ -80,11 +83,16 @@ def test_a_head_equal_to_the_last_layer_is_always_accepted_in_a_batch(arch, tmp_
     assert drafted > 0 and accepted == drafted, spec.last_stats.row_stats
 
 
-def test_rows_that_join_and_leave_keep_drafting_through_layers(tmp_path):
+@pytest.mark.parametrize("kind", ["exit", "feature"])
+def test_rows_that_join_and_leave_keep_drafting_through_layers(kind, tmp_path):
     model = tiny_model("qwen3", torch.float64)
-    head = make_head(model, tmp_path / "head", exit_layer=3, noise=0.02)
-    spec = selfspec.wrap(model, plan=selfspec.DraftPlan(exit_layer=3, head=str(head), draft_length=3, ngram=2,
-                                                        policy="fixed"))
+    if kind == "exit":
+        head = make_head(model, tmp_path / "head", exit_layer=3, noise=0.02)
+        plan = selfspec.DraftPlan(exit_layer=3, head=str(head), draft_length=3, ngram=2, policy="fixed")
+    else:
+        head = make_feature_head(model, tmp_path / "head", noise=0.02)
+        plan = selfspec.DraftPlan(head=str(head), draft_length=3, ngram=2, policy="fixed")
+    spec = selfspec.wrap(model, plan=plan)
     session = spec.batch_session()
     prompts = [repetitive(10, seed=s) for s in range(5)]
     lengths = [12, 5, 20, 9, 15]

@@ -81,6 +81,9 @@ BAD_ARGUMENTS = [
     (["tune", NO_MODEL, "--data", "missing.txt"], ["--data", "'missing.txt'", "existing file"]),
     (["tune", NO_MODEL, "--data", "{not_utf8}"], ["prompts.txt", "UTF-8", "0xff"]),
     (["train-head", NO_MODEL, "--out", "o", "--exit-layer", "0"], ["--exit-layer", "0", ">= 1"]),
+    (["train-head", NO_MODEL, "--out", "o", "--feature", "--exit-layer", "2"], ["--exit-layer", "not allowed"]),
+    (["train-head", NO_MODEL, "--out", "o", "--feature", "--reads", "2,x"], ["--reads", "'2,x'", "2,15,27"]),
+    (["train-head", NO_MODEL, "--out", "o"], ["--feature", "--exit-layer", "required"]),
     (["train-head", NO_MODEL, "--out", "o", "--exit-layer", "2", "--epochs", "0"], ["--epochs", "0", "> 0"]),
     (["train-head", NO_MODEL, "--out", "o", "--exit-layer", "2", "--eval-fraction", "1"],
      ["--eval-fraction", "1", "< 1"]),
@@ -135,6 +138,8 @@ PROCESS_CASES = {  # the rest of BAD_ARGUMENTS behaves the same in-process and i
     "non-UTF-8 prompt": (["generate", "--model", NO_MODEL, b"caf\xff"], ["b'caf\\xff'", "UTF-8"]),
     "exit layer 99": (["train-head", "{tiny}", "--out", "{tmp}/head", "--exit-layer", "99"],
                       ["--exit-layer", "99", "valid: 1..1"]),
+    "feature reads out of range": (["train-head", "{tiny}", "--out", "{tmp}/head", "--feature", "--reads", "0,7"],
+                                   ["--reads", "0,7", "valid with --feature", "0..1"]),
 }
 
 
@@ -157,7 +162,7 @@ def process_results(tiny_folder, tmp_path_factory) -> dict[str, tuple[int, str]]
 def test_bad_argument_in_a_real_process(case, process_results):
     """Exit status 2 and one line from the process itself (the model loads only for the layer check)."""
     code, stderr = process_results[case]
-    assert_one_line_error(code, stderr, PROCESS_CASES[case][1], progress_before=case == "exit layer 99")
+    assert_one_line_error(code, stderr, PROCESS_CASES[case][1], progress_before=case.startswith(("exit", "feature")))
     assert "own answers" not in stderr  # train-head: refused before generating any text
 
 
@@ -296,7 +301,17 @@ def test_count_vocab_and_train_head_on_a_tiny_model(tiny_folder, tmp_path, capsy
                  "--out", str(out)]) == 0
     for suffix in (".json", ".safetensors", ".plan.json", "-vocab.json"):
         assert (out.parent / f"{out.name}{suffix}").is_file(), suffix
-    capsys.readouterr()
+    features = tmp_path / "heads" / "features"
+    assert main(["train-head", str(tiny_folder), "--feature", "--epochs", "1", "--minutes", "0.2", "--unroll", "3",
+                 "--eval-fraction", "0.25", "--sequences", str(tmp_path / "vocab.sequences.json"),
+                 "--out", str(features)]) == 0
+    printed = capsys.readouterr().out
+    assert "agreement per draft position" in printed and "mean accepted chain of 3" in printed, printed
+    model, _ = selfspec.load(str(tiny_folder), dtype="float32")
+    spec = selfspec.wrap(model, plan=str(features.parent / "features.plan.json"))
+    prompt = torch.tensor([[1, 5, 7, 5, 9]])
+    assert torch.equal(spec.generate(prompt, max_new_tokens=12),
+                       model.generate(prompt, do_sample=False, max_new_tokens=12))
     # a saved sequences file whose ids the model does not have is refused before any training
     bad = tmp_path / "bad.sequences.json"
     bad.write_text('{"source": "x", "sequences": [[1, 2], [3, 999]], "answers": []}')

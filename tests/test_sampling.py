@@ -44,7 +44,7 @@ c = ln(2 V / DELTA), so each check falsely fails with probability at most
 DELTA = 1e-7, whatever the number of cells. A cell with p_i = 0 that is ever
 observed gives KL = inf: an impossible token fails the check outright.
 
-This file runs CHECKS_IN_FILE = 200 such checks on samples whose law is the
+This file runs CHECKS_IN_FILE = 216 such checks on samples whose law is the
 reference law (test 1: 6 pairs for each of the two implementations of the
 rule, the host one and the device one of the static step, + 4 Markov-chain
 checks + 1 token-tree check + 7 checks that the wrong-rule harnesses produce
@@ -89,7 +89,7 @@ from selfspec.testing import make_feature_head, make_head, make_vocab
 from selfspec.tree import TokenTree, accept_tree_sampling, accept_tree_sampling_on_device
 
 DELTA = 1e-7  # false-failure probability bound of one `assert_distribution` check
-CHECKS_IN_FILE = 200  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
+CHECKS_IN_FILE = 216  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -649,6 +649,9 @@ BATCH_CASES = {
                                      draft_vocab_size=6, draft_length=3),
         None, dict(temperature=0.8, top_p=0.9),
         LogitsProcessorList([TemperatureLogitsWarper(0.8), TopPLogitsWarper(0.9)])),
+    "feature head for every row, k=3, T=1": (
+        lambda a: selfspec.DraftPlan(policy="fixed", head=a["features"], draft_length=3),
+        None, dict(temperature=1.0), LogitsProcessorList([])),
 }
 
 

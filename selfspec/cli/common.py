@@ -62,6 +62,17 @@ def number(low: float | None = None, high: float | None = None, **open_ends: boo
     return Interval(float, low, high, **open_ends)
 
 
+def integer_list(value: str) -> tuple[int, ...]:
+    """Comma-separated non-negative integers, e.g. "2,15,27"."""
+    try:
+        numbers = tuple(int(part) for part in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a comma-separated list of integers (e.g. 2,15,27)") from None
+    if any(n < 0 for n in numbers):
+        raise argparse.ArgumentTypeError(f"{value!r}: layer indices start at 0")
+    return numbers
+
+
 def text(value: str) -> str:
     """Text given on the command line, which must be valid UTF-8 (undecodable bytes arrive as surrogates)."""
     try:

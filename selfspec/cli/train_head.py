@@ -1,7 +1,10 @@
-"""`selfspec train-head MODEL --exit-layer E --out OUT`: train an exit head by self-distillation.
+"""`selfspec train-head MODEL (--feature | --exit-layer E) --out OUT`: train a head by self-distillation.
 
+    selfspec train-head smollm2-135m-instruct --feature --data prompts.jsonl --out heads/smollm2-features
     selfspec train-head smollm2-135m-instruct --exit-layer 8 --data prompts.jsonl --out heads/smollm2-e8
 
+`--feature` trains a feature head (`selfspec.feature_head`), unrolled over
+`--unroll` draft steps; `--exit-layer E` an exit head (`selfspec.head`).
 The text is the model's own greedy answers to a prompt set (`--data`, read as
 `selfspec tune` reads it; default: the built-in chat prompts), plus any text
 file (`--text`); see `common.add_text_arguments`. It writes the head
@@ -9,7 +12,7 @@ file (`--text`); see `common.add_text_arguments`. It writes the head
 training curve (`OUT.curve.png` with matplotlib) and, unless `--no-vocab`, a
 draft vocabulary counted on the same answers (`OUT-vocab.*`). Every argument
 is checked against the model before any work. This module parses and prints;
-the work is in `selfspec.training`, `selfspec.head` and `selfspec.vocab`.
+the work is in `selfspec.training` and the head and vocabulary modules.
 """
 
 from __future__ import annotations
@@ -24,13 +27,22 @@ from pathlib import Path
 from . import common
 from ..plan import MAX_DRAFT_LENGTH
 
-HELP = "train an exit head by self-distillation; writes the head, a plan and a draft vocabulary"
+HELP = "train a feature or exit head by self-distillation; writes the head, a plan and a draft vocabulary"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_text_arguments(parser)
-    parser.add_argument("--exit-layer", type=common.integer(1), required=True, metavar="E",
-                        help="the draft exits after layer E-1 (valid: 1..layers-1)")
+    kind = parser.add_mutually_exclusive_group(required=True)
+    kind.add_argument("--feature", action="store_true",
+                      help="a feature head: drafts from the target's states after --reads layers")
+    kind.add_argument("--exit-layer", type=common.integer(1), metavar="E",
+                      help="an exit head: the draft exits after layer E-1 (valid: 1..layers-1)")
+    parser.add_argument("--reads", type=common.integer_list, default=None, metavar="I,J,K",
+                        help="a feature head: the layers whose output it reads (default: a low, a middle, a high one)")
+    parser.add_argument("--unroll", type=common.integer(2, 8), default=4,
+                        help="a feature head: draft steps trained on, the first from the target's states (default: 4)")
+    parser.add_argument("--positions", type=common.integer(1), default=128,
+                        help="a feature head: positions per sequence the loss scores (default: 128)")
     parser.add_argument("--source-layer", type=common.integer(0), default=None,
                         help="layer the head is copied from (default: last)")
     parser.add_argument("--epochs", type=common.number(0, open_low=True), default=2.0)
@@ -50,15 +62,13 @@ def check_against_model(args: argparse.Namespace, num_layers: int) -> None:
         if value is not None and not low <= value <= num_layers - 1:
             raise ValueError(f"argument {flag}: {value} out of range for {args.model} "
                              f"({num_layers} layers; valid: {low}..{num_layers - 1})")
+    if args.reads is not None and (not args.feature or any(not 0 <= i < num_layers for i in args.reads)
+                                   or list(args.reads) != sorted(set(args.reads))):
+        raise ValueError(f"argument --reads: {','.join(map(str, args.reads))} is not for {args.model} "
+                         f"(valid with --feature: increasing layer indices in 0..{num_layers - 1})")
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-    from tqdm.auto import tqdm
-
-    from ..head import ExitHead, save_head
-    from ..plan import DraftPlan
-    from ..training import agreement, features, plot, train
     from ..vocab import count_tokens, save_vocab
 
     began = time.perf_counter()
@@ -70,46 +80,102 @@ def run(args: argparse.Namespace) -> int:
     if len(sequences) < 2:
         raise ValueError(f"{len(sequences)} training sequence from {source} (valid: at least 2, one to train on "
                          f"and one held out); give more prompts (--prompts, --data) or --text")
-    generated = time.perf_counter() - began
-    data = [features(parts, s, args.exit_layer)
-            for s in tqdm(sequences, desc="target features", unit="seq", file=sys.stderr)]
-    split = max(1, int(len(data) * args.eval_fraction))
-    eval_data, train_data = data[:split], data[split:]
-    head = ExitHead.from_model(parts, exit_layer=args.exit_layer, source_layer=args.source_layer)
-    head.requires_grad_(True).train()
-    print(f"selfspec train-head: {len(train_data)} training sequences ({sum(len(f.exit_states) for f in train_data)} "
-          f"tokens), {len(eval_data)} held out; text in {generated:.0f} s", file=sys.stderr)
-    with tqdm(total=int(args.epochs * len(train_data)), desc="training", unit="seq", file=sys.stderr) as bar:
-        def step(loss: float) -> None:
-            bar.update()
-            bar.set_postfix(loss=f"{loss:.3f}")
-
-        log = train(head, parts, train_data, eval_data, epochs=args.epochs,
-                    minutes=args.minutes, lr=args.lr, seed=args.seed, progress=step)
-    head.eval().requires_grad_(False)
-
+    print(f"selfspec train-head: {len(sequences)} sequences; text in {time.perf_counter() - began:.0f} s",
+          file=sys.stderr)
     out = Path(args.out)
     command = shlex.join(["selfspec", "train-head", *sys.argv[2:]]) if sys.argv[1:2] == ["train-head"] else ""
-    training = {"source": source, "command": command, "epochs": args.epochs, "lr": args.lr,
-                "seconds": round(time.perf_counter() - began), **log.as_dict()}
-    del training["steps"], training["losses"]
-    training["final_loss"] = sum(log.losses[-20:]) / max(1, len(log.losses[-20:]))
-    manifest = save_head(out, head, model=model, parts=parts, training=training)
+    training = {"source": source, "command": command, "epochs": args.epochs, "lr": args.lr}
+    trained = train_feature_head if args.feature else train_exit_head
+    manifest, plan, summary = trained(args, model, parts, sequences, training, began)
     vocab = None
     if not args.no_vocab:
         counts = count_tokens(answers, parts.lm_head.weight.shape[0])
         vocab = save_vocab(out.parent / f"{out.name}-vocab", counts, model=model, parts=parts, source=source)
-    plan = DraftPlan(exit_layer=args.exit_layer, head=manifest.name, draft_length=args.draft_length,
-                     name=f"exit {args.exit_layer} + trained head")
     plan_path = out.parent / f"{out.name}.plan.json"
     plan.save(plan_path)
-    curve = out.parent / f"{out.name}.curve.png"
-    has_curve = plot(log, curve)
-    with torch.no_grad():
-        final = log.eval_agreement[-1] if log.eval_agreement else agreement(head, parts, eval_data)
-    print(json.dumps({k: training[k] for k in ("seconds", "tokens", "exit_agreement", "final_loss")}))
-    print(f"held-out top-1 agreement with the target: {final:.1%} with the head, "
-          f"{log.exit_agreement:.1%} for the same exit without it")
-    print(f"head: {manifest}; plan: {plan_path}" + (f"; vocabulary: {vocab}" if vocab else "")
-          + (f"; curve: {curve}" if has_curve else ""))
+    print(summary)
+    print(f"head: {manifest}; plan: {plan_path}" + (f"; vocabulary: {vocab}" if vocab else ""))
     return 0
+
+
+def _split(args: argparse.Namespace, data: list) -> tuple[list, list]:
+    """(held out, training): the first `--eval-fraction` of the sequences are held out."""
+    split = max(1, int(len(data) * args.eval_fraction))
+    return data[:split], data[split:]
+
+
+def _bar(total: int):
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc="training", unit="seq", file=sys.stderr)
+
+    def step(loss: float) -> None:
+        bar.update()
+        bar.set_postfix(loss=f"{loss:.3f}")
+
+    return bar, step
+
+
+def train_feature_head(args, model, parts, sequences, training: dict, began: float):
+    """Train, save and describe a feature head: (manifest path, its plan, a summary to print)."""
+    from tqdm.auto import tqdm
+
+    from ..feature_head import FeatureHead, save_feature_head
+    from ..plan import DraftPlan
+    from ..training.features import plot_agreement, target_states, train_features
+
+    head = FeatureHead.from_model(parts, reads=args.reads, source_layer=args.source_layer)
+    data = [target_states(parts, s, head.reads)
+            for s in tqdm(sequences, desc="target states", unit="seq", file=sys.stderr)]
+    eval_data, train_data = _split(args, data)
+    head.requires_grad_(True).train()
+    bar, step = _bar(int(args.epochs * len(train_data)))
+    with bar:
+        log = train_features(head, parts, train_data, eval_data, steps=args.unroll, epochs=args.epochs,
+                             minutes=args.minutes, lr=args.lr, positions=args.positions, seed=args.seed,
+                             progress=step)
+    head.eval().requires_grad_(False)
+    out = Path(args.out)
+    training.update(unroll=args.unroll, positions=args.positions, seconds=round(time.perf_counter() - began),
+                    tokens=log.tokens, training_seconds=round(log.seconds), steps=len(log.steps),
+                    eval_steps=log.eval_steps, eval_agreement=log.eval_agreement, eval_chain=log.eval_chain,
+                    final_loss=sum(log.losses[-20:]) / max(1, len(log.losses[-20:])))
+    manifest = save_feature_head(out, head, model=model, parts=parts, training=training)
+    plot_agreement(log, out.parent / f"{out.name}.curve.png")
+    plan = DraftPlan(head=manifest.name, draft_length=args.draft_length, name="feature head")
+    per_position = ", ".join(f"{a:.1%}" for a in log.eval_agreement[-1])
+    return manifest, plan, (f"{json.dumps({k: training[k] for k in ('seconds', 'tokens', 'final_loss')})}\n"
+                            f"held-out top-1 agreement per draft position: {per_position}; "
+                            f"mean accepted chain of {args.unroll}: {log.eval_chain[-1]:.2f}")
+
+
+def train_exit_head(args, model, parts, sequences, training: dict, began: float):
+    """Train, save and describe an exit head: (manifest path, its plan, a summary to print)."""
+    from tqdm.auto import tqdm
+
+    from ..head import ExitHead, save_head
+    from ..plan import DraftPlan
+    from ..training import features, plot, train
+
+    data = [features(parts, s, args.exit_layer)
+            for s in tqdm(sequences, desc="target features", unit="seq", file=sys.stderr)]
+    eval_data, train_data = _split(args, data)
+    head = ExitHead.from_model(parts, exit_layer=args.exit_layer, source_layer=args.source_layer)
+    head.requires_grad_(True).train()
+    bar, step = _bar(int(args.epochs * len(train_data)))
+    with bar:
+        log = train(head, parts, train_data, eval_data, epochs=args.epochs,
+                    minutes=args.minutes, lr=args.lr, seed=args.seed, progress=step)
+    head.eval().requires_grad_(False)
+    out = Path(args.out)
+    training.update(log.as_dict())  # its "seconds": the training's
+    del training["steps"], training["losses"]
+    training["final_loss"] = sum(log.losses[-20:]) / max(1, len(log.losses[-20:]))
+    manifest = save_head(out, head, model=model, parts=parts, training=training)
+    plot(log, out.parent / f"{out.name}.curve.png")
+    plan = DraftPlan(exit_layer=args.exit_layer, head=manifest.name, draft_length=args.draft_length,
+                     name=f"exit {args.exit_layer} + trained head")
+    final = log.eval_agreement[-1]
+    return manifest, plan, (f"{json.dumps({k: training[k] for k in ('seconds', 'tokens', 'exit_agreement', 'final_loss')})}\n"
+                            f"held-out top-1 agreement with the target: {final:.1%} with the head, "
+                            f"{log.exit_agreement:.1%} for the same exit without it")

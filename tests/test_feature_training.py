@@ -1,0 +1,61 @@
+"""Feature-head training (`training/features.py`): the unrolled steps are the engine's draft steps, and it learns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfspec.draft import Drafter
+from selfspec.feature_head import FeatureHead
+from selfspec.passes import TargetPasses
+from selfspec.plan import DraftPlan
+from selfspec.registry import model_parts
+from selfspec.runner import LayerRunner
+from selfspec.testing import random_prompt, tiny_model
+from selfspec.training.features import agreement, target_states, train_features, unroll_mask, unrolled_states
+
+
+def test_unroll_mask_is_a_draft_chains_view():
+    mask = unroll_mask(5, 2, None)  # step 2: query t sees step 0 up to t - 2, step 1 at t - 1, step 2 at t
+    assert mask.shape == (5, 15)
+    assert mask[4, :5].tolist() == [True, True, True, False, False]
+    assert mask[4, 5:10].tolist() == [False, False, False, True, False]
+    assert mask[4, 10:].tolist() == [False, False, False, False, True]
+    assert unroll_mask(5, 0, 2)[4].tolist() == [False, False, False, True, True]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gpt2", "qwen3"])
+def test_unrolled_steps_equal_the_engines_draft_steps(arch):
+    """Step j at position s + j is what the engine's draft computes at step j of a round starting at s, the
+    drafted tokens being the sequence's own."""
+    model = tiny_model(arch)
+    parts = model_parts(model)
+    head = FeatureHead.from_model(parts)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    tokens = random_prompt(16, seed=2)[0].tolist()
+    steps, s = 3, 9
+    data = target_states(parts, tokens, head.reads)
+    with torch.no_grad():
+        unrolled = unrolled_states(head, parts, LayerRunner(parts, capacity=16, head=head), data, steps)
+        runner = LayerRunner(parts, capacity=16, head=head)
+        TargetPasses(parts.num_layers, exact_prefix=0, head=head).prefill(runner, tokens[:s])
+        drafter = Drafter(DraftPlan(head="h.json", draft_length=steps), parts.num_layers, head=head)
+        for j in range(steps):
+            drafter.step(runner, tokens[s + j], s + j)
+            torch.testing.assert_close(runner.draft_feature[0, 0], unrolled[j][0, s + j], rtol=1e-4, atol=1e-5)
+
+
+def test_training_lowers_the_loss_and_reports_agreement_per_position():
+    model = tiny_model("llama", torch.float32)
+    parts = model_parts(model)
+    head = FeatureHead.from_model(parts).requires_grad_(True).train()
+    data = [target_states(parts, random_prompt(24, seed=i)[0].tolist(), head.reads) for i in range(6)]
+    log = train_features(head, parts, data[1:], data[:1], steps=3, epochs=6, minutes=5, lr=3e-3, positions=16,
+                         eval_every=10)
+    first, last = sum(log.losses[:5]) / 5, sum(log.losses[-5:]) / 5
+    assert last < first, log.losses
+    per_position, chain = agreement(head, parts, data[:1], 3)
+    assert len(per_position) == 3 and all(0 <= a <= 1 for a in per_position) and 0 <= chain <= 3
+    assert log.eval_agreement[-1] == pytest.approx(per_position)
