@@ -15,8 +15,8 @@ with 5.24), carry the wheel: here, once, `python -m pip download --no-deps
    of the test suite, eager and on the fast step (`step="graphs"`), in float64
    (exact) and float32 (first difference reported with the target's top-2
    gap), over plans with layer subsets, early exits, an exit head, a draft
-   vocabulary, n-gram proposals and token trees (a layer draft's, n-grams',
-   recycled ones).
+   vocabulary, a feature head (chain and tree), n-gram proposals and token
+   trees (a layer draft's, n-grams', recycled ones).
 2. Seeded sampling on CUDA runs and reproduces (a CUDA generator), on both steps.
 3. A model with layers on two devices (accelerate's `device_map`, half the
    layers in CPU memory) runs eagerly and equals `model.generate`.
@@ -25,7 +25,8 @@ with 5.24), carry the wheel: here, once, `python -m pip download --no-deps
    new tokens: `model.generate`, HF static cache + `torch.compile` (its compile
    time apart), selfspec's plain path eager and on graphs (tokens/s); then, on
    the graphed runner, a draft step through m layers and a verify pass over q
-   tokens in units of one plain step, against the issue's targets; and a
+   tokens in units of one plain step, against the issue's targets; a feature
+   head's draft step (one layer and the LM head) in plain steps; and a
    plain step on a runner kept at 8,192 positions, at its captured span and
    attending to every position.
 5. A left-padded batch (n-gram drafts) equals each prompt alone on the device
@@ -35,6 +36,9 @@ with 5.24), carry the wheel: here, once, `python -m pip download --no-deps
    (round outcomes measured on a CPU with the real checkpoint, by
    `benchmarks.acceptance_profile`) would reach with the GPU costs of 4,
    its draft length chosen for those costs, against HF static + compile.
+8. A PROJECTION for a feature head: the tokens per pass and draft length
+   measured on a CPU with the trained SmolLM2 head
+   (`benchmarks/data/feature_head_smollm2.json`), priced at the costs of 4.
 7. A PROJECTION for trees: the passes by width of a CPU Spec-Bench run whose
    policy decided with the flat profile (`benchmarks/data/flat_passes_smollm2.json`),
    priced at the GPU costs of 4.
@@ -59,7 +63,8 @@ import transformers
 
 import selfspec
 from selfspec.static import GraphedRunner, StaticRunner
-from selfspec.testing import TINY_CONFIGS, make_head, make_vocab, random_prompt, tiny_model
+from selfspec.feature_head import FeatureHead
+from selfspec.testing import TINY_CONFIGS, make_feature_head, make_head, make_vocab, random_prompt, tiny_model
 
 DEVICE = torch.device(os.environ.get("SELFSPEC_CHECK_DEVICE", "cuda"))  # "cpu" for a dry run
 FAST = "graphs" if DEVICE.type == "cuda" else "static"  # the step a GPU user gets by default
@@ -70,7 +75,10 @@ PROMPT, NEW = 128, 128
 def plans(folder: Path, model) -> list[selfspec.DraftPlan]:
     head = str(make_head(model, folder / f"head-{id(model)}", exit_layer=2, noise=0.05))
     vocab = str(make_vocab(model, folder / f"vocab-{id(model)}"))
+    features = str(make_feature_head(model, folder / f"features-{id(model)}"))
     return [
+        selfspec.DraftPlan(head=features, draft_length=4, policy="fixed"),  # a feature head's chain
+        selfspec.DraftPlan(head=features, tree=10, draft_vocab=vocab, draft_length=4),  # and its tree
         selfspec.DraftPlan(exit_layer=2, draft_length=4),
         selfspec.DraftPlan(layers=[0, 1, 3, 5], draft_length=6, adaptive=True, threshold=0.3, policy="fixed"),
         selfspec.DraftPlan(exit_layer=2, head=head, draft_length=3),
@@ -332,6 +340,8 @@ def costs(name: str, quick: bool) -> dict:
           flush=True)
     print(f"{name}: verify pass over q tokens (target <= 1.30 for q <= 16): "
           + ", ".join(f"q={q}: {c:.2f}" for q, c in verify.items()), flush=True)
+    features = feature_step(parts, runner_class, prompt) / one
+    print(f"{name}: a feature head's draft step (one layer and the LM head): {features:.3f} plain steps", flush=True)
     kept = {label: seconds / one for label, seconds in kept_runner_step(parts, prompt, layers).items()}
     print(f"{name}: on a kept runner grown to {KEPT_CAPACITY} positions, a plain step at {PROMPT} entries: "
           f"{kept['span']:.2f} plain steps at its span, {kept['whole']:.2f} attending to every position "
@@ -343,11 +353,27 @@ def costs(name: str, quick: bool) -> dict:
           + f"draft steps within m/L + 0.1: {all(c <= m / layers + 0.1 for m, c in draft.items())}; "
           f"verify <= 1.3: {all(c <= 1.3 for q, c in verify.items() if q <= 16)}", flush=True)
     runner = None
-    return {"layers": layers, "step": one, "draft": draft, "verify": verify, "per_token": {
+    return {"layers": layers, "step": one, "draft": draft, "verify": verify, "feature_step": features, "per_token": {
         k: v / NEW for k, v in result.items()}}
 
 
 KEPT_CAPACITY = 8192  # a runner the engine kept after a long generation
+
+
+def feature_step(parts, runner_class, prompt: torch.Tensor) -> float:
+    """Seconds of one feature-head draft step (random head) after a prefill of `prompt`, on `runner_class`."""
+    head = FeatureHead.from_model(parts)
+    runner = runner_class(parts, capacity=PROMPT + 64, max_width=33, head=head)
+    runner.run(runner.embed(prompt[0].tolist(), 0), range(parts.num_layers), 0)
+    runner.run(runner.embed(prompt[0].tolist(), 0), [head.slot], 0)
+    before = torch.zeros(1, 1, parts.embed.weight.shape[1], device=DEVICE, dtype=parts.dtype)
+
+    def step() -> None:
+        runner.cache.crop(PROMPT)
+        hidden = runner.run(head.inputs(runner.embed(prompt[:, :1], PROMPT), before), [head.slot], PROMPT)
+        runner.logits(hidden).argmax(-1)
+
+    return sync_time(step)
 
 
 def kept_runner_step(parts, prompt: torch.Tensor, layers: int) -> dict[str, float]:
@@ -433,6 +459,23 @@ def projection(measured: dict) -> None:
               "(target for the default plan: >= 2x HF static+compile)", flush=True)
 
 
+def feature_projection(measured: dict) -> None:
+    """Speed of the trained SmolLM2 feature head's plan from its CPU-measured tokens per pass and drafted tokens
+    per round, priced at this GPU's draft step and verify pass: a PROJECTION."""
+    data, gpu = projection_inputs("feature_head_smollm2.json", measured, "FEATURE PROJECTION")
+    if data is None:
+        return
+    per_token = gpu["per_token"]
+    baseline_name = "HF static+compile" if "HF static+compile" in per_token else "model.generate"
+    plain = per_token[f"selfspec plain {FAST}"]
+    k = data["drafted_per_round"]
+    steps = k * gpu["feature_step"] + verify_cost(gpu["verify"], max(1, round(k)) + 1)  # plain steps a round
+    over_plain = data["tokens_per_pass"] / steps
+    print(f"FEATURE PROJECTION (not a measurement): {data['tokens_per_pass']:.2f} tokens per pass and {k:.2f} drafted "
+          f"tokens a round from {data['command']} ({data['cpu capability']}); {over_plain:.2f}x selfspec plain "
+          f"{FAST}, {over_plain * per_token[baseline_name] / plain:.2f}x {baseline_name}", flush=True)
+
+
 def pass_projection(measured: dict) -> None:
     """Speed per plan from a CPU run's passes by width, its policy deciding with the flat profile (tokens per pass
     hold on any machine whose costs are flat so far), priced at this GPU's pass costs: a PROJECTION.
@@ -486,6 +529,7 @@ def main() -> int:
             print(f"{shape}: timing raised {type(error).__name__}: {error}", flush=True)
     projection(measured)
     pass_projection(measured)
+    feature_projection(measured)
     try:
         batch_throughput("SmolLM2-135M")
     except Exception as error:
