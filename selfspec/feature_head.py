@@ -14,7 +14,7 @@ target's state, so after a verify pass the passes rewrite its entries for
 the kept tokens from the target's states (`passes.py`).
 
 Saved as an artifact (kind `feature_head`). This module does not train the
-head (`training/features.py`) or decide when it drafts.
+head (`training/feature_distill.py`) or decide when it drafts.
 """
 
 from __future__ import annotations

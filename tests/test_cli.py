@@ -9,6 +9,7 @@ as a Hugging Face folder; nothing downloads.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -289,6 +290,22 @@ def test_temperature_0_and_top_p_0_generate_the_greedy_text(tiny_folder, capsys)
 
 
 # --------------------------------------------------------------------------- the training commands end to end
+
+
+def test_own_answers_resume_an_interrupted_run(tiny_folder, tmp_path):
+    """An earlier run's answers (same prompts and settings) are kept; only the rest are generated."""
+    args = ["--prompts", "3", "--new-tokens", "5", "--batch-size", "2"]
+    assert main(["count-vocab", str(tiny_folder), "--out", str(tmp_path / "a"), *args]) == 0
+    text = json.loads((tmp_path / "a.sequences.json").read_text())
+    made = text["sequences"]
+    assert not (tmp_path / "a.answers-partial.json").exists()  # removed once the text is complete
+    prompts = [s[: len(s) - len(a)] for s, a in zip(made, text["answers"])]
+    marked = made[0][:-1] + [3]
+    (tmp_path / "b.answers-partial.json").write_text(json.dumps(
+        {"prompts": prompts, "new_tokens": 5, "sequences": [marked, made[1]]}))
+    assert main(["count-vocab", str(tiny_folder), "--out", str(tmp_path / "b"), *args]) == 0
+    resumed = json.loads((tmp_path / "b.sequences.json").read_text())["sequences"]
+    assert resumed == [marked, made[1], made[2]]
 
 
 def test_count_vocab_and_train_head_on_a_tiny_model(tiny_folder, tmp_path, capsys):

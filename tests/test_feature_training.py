@@ -1,4 +1,4 @@
-"""Feature-head training (`training/features.py`): the unrolled steps are the engine's draft steps, and it learns."""
+"""Feature-head training (`training/feature_distill.py`): the unrolled steps are the engine's draft steps, and it learns."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from selfspec.plan import DraftPlan
 from selfspec.registry import model_parts
 from selfspec.runner import LayerRunner
 from selfspec.testing import random_prompt, tiny_model
-from selfspec.training.features import agreement, target_states, train_features, unroll_mask, unrolled_states
+from selfspec.training.feature_distill import agreement, target_states, train_features, unroll_mask, unrolled_states
 
 
 def test_unroll_mask_is_a_draft_chains_view():

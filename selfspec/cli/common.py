@@ -9,6 +9,7 @@ exit status 2.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from dataclasses import dataclass
@@ -240,9 +241,20 @@ def training_text(args: argparse.Namespace, inputs: TextInputs, model, tokenizer
 
     texts = inputs.prompts[: args.prompts] if args.prompts else inputs.prompts
     prompts = [ids[-args.max_length // 2 :] for ids in encode_prompts(tokenizer, texts)]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # An interrupted run's answers, when it had the same prompts and settings, are kept and the rest generated.
+    partial = out.parent / f"{out.name}.answers-partial.json"
+    key = {"prompts": prompts, "new_tokens": args.new_tokens}
+    done = []
+    if partial.is_file():
+        saved = json.loads(partial.read_text(encoding="utf-8"))
+        if {k: saved.get(k) for k in key} == key:
+            done = saved["sequences"]
     with tqdm(total=len(prompts), desc="own answers", unit="prompt", file=sys.stderr) as bar:
         sequences = own_answers(model, tokenizer, prompts, new_tokens=args.new_tokens, batch_size=args.batch_size,
-                                progress=bar.update)
+                                progress=bar.update, done=done,
+                                save=lambda made: partial.write_text(json.dumps({**key, "sequences": made})))
     answers = [seq[len(p):] for seq, p in zip(sequences, prompts)]
     source = f"{len(prompts)} prompts from {args.data or 'the built-in set'}, {args.new_tokens}-token greedy answers"
     if inputs.text is not None:
@@ -251,7 +263,6 @@ def training_text(args: argparse.Namespace, inputs: TextInputs, model, tokenizer
         answers += extra
         source += f", and {args.text}"
     result = TrainingText([s[: args.max_length] for s in sequences], answers, source)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     result.save(out.parent / f"{out.name}.sequences.json")
+    partial.unlink(missing_ok=True)
     return result

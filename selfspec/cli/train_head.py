@@ -122,7 +122,7 @@ def train_feature_head(args, model, parts, sequences, training: dict, began: flo
 
     from ..feature_head import FeatureHead, save_feature_head
     from ..plan import DraftPlan
-    from ..training.features import plot_agreement, target_states, train_features
+    from ..training.feature_distill import plot_agreement, target_states, train_features
 
     head = FeatureHead.from_model(parts, reads=args.reads, source_layer=args.source_layer)
     data = [target_states(parts, s, head.reads)

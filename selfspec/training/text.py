@@ -1,7 +1,7 @@
 """The text an exit head and a draft vocabulary learn from: the model's own answers, and any text file.
 
 `own_answers` gives prompt + the model's greedy answer for each prompt
-(batched `model.generate`); `text_sequences` cuts any text into sequences.
+(selfspec's batched engine, drafting off; resumable); `text_sequences` cuts any text into sequences.
 `TrainingText` holds the result and saves it, since generating the answers is
 the slow part. It knows nothing about heads, losses or vocabularies.
 """
@@ -55,20 +55,30 @@ class TrainingText:
 
 
 def own_answers(model, tokenizer, prompts: Sequence[list[int]], *, new_tokens: int, batch_size: int,
-                progress: Callable[[int], None] | None = None) -> list[list[int]]:
-    """Prompt + the model's greedy answer for each prompt (batched, left-padded; stops at EOS)."""
+                progress: Callable[[int], None] | None = None, done: Sequence[list[int]] = (),
+                save: Callable[[list[list[int]]], None] | None = None) -> list[list[int]]:
+    """Prompt + the model's greedy answer for each prompt (stops at EOS), generated in left-padded batches by
+    selfspec's batched engine with drafting off (token for token `model.generate`'s greedy output).
+
+    `done`: the sequences of the first prompts, already made (an earlier, interrupted run); `save` is called
+    with every sequence made so far after each batch (to resume from).
+    """
+    import selfspec  # the engine's public API (this is a tool, above the engine)
+
+    spec = selfspec.wrap(model, plan=selfspec.DraftPlan.plain())
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos]) - {None}
-    sequences = []
-    for i in range(0, len(prompts), batch_size):
+    sequences = list(done)
+    if progress and sequences:
+        progress(len(sequences))
+    for i in range(len(sequences), len(prompts), batch_size):
         batch = prompts[i : i + batch_size]
         width = max(len(p) for p in batch)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])  # [b, width]
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        with torch.no_grad():
-            out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), do_sample=False,
-                                 max_new_tokens=new_tokens, pad_token_id=pad)
+        out = spec.generate(ids.to(model.device), attention_mask=mask.to(model.device), do_sample=False,
+                            max_new_tokens=new_tokens, pad_token_id=pad)
         for prompt, row in zip(batch, out[:, width:].tolist()):
             answer = []
             for token in row:
@@ -76,6 +86,8 @@ def own_answers(model, tokenizer, prompts: Sequence[list[int]], *, new_tokens: i
                 if token in eos:
                     break
             sequences.append(prompt + answer)
+        if save is not None:
+            save(sequences)
         if progress:
             progress(len(batch))
     return sequences

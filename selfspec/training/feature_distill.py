@@ -2,15 +2,14 @@
 
 1. Target states: each sequence runs once through the frozen target (the
    engine's `LayerRunner`); keep the states after the head's read layers and
-   the final normed states (p is recomputed from them by the LM head).
+   the final normed states (the LM head recomputes p from them).
 2. Unrolled steps: step 0 is the head on (f at t - 1, token t) for every t,
    as the engine fills its cache. Step j joins token t with the head's step
    j - 1 output at t - 1, and attends as a draft chain started at s = t - j
-   would: to step 0's entries up to s and to steps 1..j at s + 1..t. So the
-   head learns to draft from its own states, as it does at step j + 1 of a round.
+   would: to step 0's entries up to s and to steps 1..j at s + 1..t.
 3. Loss: KL(p || q) at each step, averaged, on a sample of positions (the
-   LM head is most of the cost). AdamW, warm-up, cosine decay, clipping,
-   until the epochs or the time budget run out.
+   LM head is most of the cost). AdamW, warm-up, clipping, cosine decay over
+   the epochs or the time budget, whichever runs out first.
 4. Held-out agreement per draft position, and the mean accepted chain length.
 
 Training runs in float32; the model is never modified. No plans, no decode loop.
@@ -153,8 +152,6 @@ def train_features(head: FeatureHead, parts: ModelParts, train_data: Sequence[Ta
     total_steps = max(1, int(epochs * len(train_data)))
     warmup = max(1, total_steps // 20)
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total_steps))))
     rng, order = random.Random(seed), []
     device = parts.lm_head.weight.device
     began = time.perf_counter()
@@ -174,8 +171,11 @@ def train_features(head: FeatureHead, parts: ModelParts, train_data: Sequence[Ta
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        # Warm-up, then cosine decay over whichever runs out first: the epochs or the time budget.
+        progress_made = max(step / total_steps, (time.perf_counter() - began) / (minutes * 60))
+        for group in optimizer.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress_made)))
         optimizer.step()
-        schedule.step()
         log.steps.append(step)
         log.losses.append(loss.item())
         if progress is not None:
