@@ -5,8 +5,9 @@ threads, processor, the step's shapes, a quantization and the CPU kernels
 the passes ran with; not the plan, whose verify passes are every plan's (a
 plan's draft step is keyed apart, and batched passes by their row count).
 `CostTables` loads a table or has it measured, keeps one per thread count
-and device in memory, and writes back what the rounds refined. A profile
-handed in (`handed_costs`) prices a draft by the weights it reads.
+and device in memory, and writes what the rounds refined beside the measured
+table, never over it: a reproducible wrapper reads the measured one alone.
+A profile handed in (`handed_costs`) prices a draft by the weights it reads.
 
 It does not time a pass itself (the caller hands it the measurement) and
 does not decide anything from a table.
@@ -62,22 +63,54 @@ class CostTables:
             **extra,
         )
 
-    def draft_key(self) -> str:
+    def draft_key(self, **extra) -> str:
         """The disk cache's key for the plan's draft step (`PassCosts.draft_only`)."""
-        return self.key(draft=self.plan_name)
+        return self.key(draft=self.plan_name, **extra)
 
-    def load_or_measure(self, measure: Callable[..., PassCosts], *, max_width: int, cached: bool = True) -> PassCosts:
+    def load_or_measure(self, measure: Callable[..., PassCosts], *, max_width: int, cached: bool = True,
+                        refined: bool = False) -> PassCosts:
         """The passes up to `max_width` tokens and the plan's draft step: read from disk, else `measure(draft=...)`.
 
         The passes are the model's and the machine's: one table for every plan
-        (their draft keys it apart), timed for the widest plan that asked so far.
+        (their draft keys it apart), timed for the widest plan that asked so
+        far; a wider one keeps the widths timed before (`PassCosts.merged_into`),
+        so a narrower plan's table does not change. `cached=False` measures
+        afresh and replaces the cached tables, dropping their refinements.
+        `refined`: as the rounds refined them, where they did (`save_refined`).
         """
-        folder = costs_cache_dir() if cached else None
-        passes = load_or_measure(folder, self.key(), lambda: measure(draft=False),
-                                 usable=lambda table: table.max_width >= max_width).up_to(max_width)
+        folder = costs_cache_dir()
+        timed = load_costs(folder, self.key()) if cached else None
+        if timed is None or timed.max_width < max_width:
+            fresh = measure(draft=False)
+            if timed is not None:  # the widths timed before stay as they were; the wider ones join in their shape
+                merged = timed.merged_into(fresh)
+                fresh = fresh if merged.max_width < max_width else dataclasses.replace(
+                    merged, source=fresh.source, measure_seconds=fresh.measure_seconds)
+            save_costs(folder, self.key(), fresh)
+            timed = fresh
+            if not cached:
+                self._drop(folder, self.key(refined=True))
+        if refined:
+            better = load_costs(folder, self.key(refined=True))
+            timed = better if better is not None and better.max_width >= max_width else timed
+        passes = timed.up_to(max_width)
         if not self.draft_layers:
             return passes
-        return passes.with_draft(load_or_measure(folder, self.draft_key(), lambda: measure(draft=True)))
+        draft = load_or_measure(folder, self.draft_key(), lambda: measure(draft=True), usable=lambda _: cached)
+        if not cached:
+            self._drop(folder, self.draft_key(refined=True))
+        if refined:
+            draft = load_costs(folder, self.draft_key(refined=True)) or draft
+        return passes.with_draft(draft)
+
+    @staticmethod
+    def _drop(folder, key: str) -> None:
+        if folder is not None:
+            (folder / f"{key}.json").unlink(missing_ok=True)
+
+    def forget(self) -> None:
+        """Drop the tables held in memory: the next generation reads them from disk (or measures) again."""
+        self.measured.clear()
 
     def runtime(self, measure: Callable[[], PassCosts]) -> RuntimeCosts:
         """The table the rounds start from and refine: `measure()` once per thread count and device."""
@@ -87,13 +120,16 @@ class CostTables:
         return self.measured[key]
 
     def save_refined(self, costs: RuntimeCosts) -> None:
-        """What the rounds measured replaces the cached tables, for the next process to start from."""
+        """What the rounds measured, for the next process that refines to start from: kept beside the measured
+        tables (which a reproducible wrapper reads alone), not over them."""
         refined, folder = costs.refined(), costs_cache_dir()
-        timed = load_costs(folder, self.key())  # a wider plan's widths beyond this one's are kept
+        # A wider plan's widths beyond this one's are kept: the widest of the refined and the measured table.
+        tables = [t for t in (load_costs(folder, self.key(refined=True)), load_costs(folder, self.key())) if t]
+        timed = max(tables, key=lambda t: t.max_width, default=None)
         passes = refined.passes_only()
-        save_costs(folder, self.key(), passes if timed is None else passes.merged_into(timed))
+        save_costs(folder, self.key(refined=True), passes if timed is None else passes.merged_into(timed))
         if self.draft_layers and refined.draft_step:
-            save_costs(folder, self.draft_key(), refined.draft_only())
+            save_costs(folder, self.draft_key(refined=True), refined.draft_only())
 
     def batch_costs(self, rows: int, learn: bool, *, injected: PassCosts | None, width: int,
                     draft_layers: tuple[int, ...] = (), draft: str = "", head=None, vocab=None) -> RuntimeCosts:

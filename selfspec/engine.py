@@ -63,6 +63,7 @@ def wrap(
     costs: PassCosts | str | None = None,
     step: str = "auto",
     kernels: str = "measured",
+    reproducible: bool = True,
 ) -> "SelfSpecModel":
     """Wrap a Hugging Face causal LM for self-speculative generation. The model is not modified.
 
@@ -70,9 +71,10 @@ def wrap(
     (layers chosen per context while generating, `auto_layers.py`), or None
     for the adapter's plan for this model (its tuned plan, else "auto").
     `costs`: None to measure what passes cost on this machine (on first use,
-    then cached on disk and refined by every round); a `PassCosts` table or a
-    profile name ("linear": a pass over q tokens costs q plain steps; "flat":
-    up to 16 tokens cost one step) to decide with those costs instead.
+    then cached on disk; with `reproducible=False` also refined by every
+    round); a `PassCosts` table or a profile name ("linear": a pass over q
+    tokens costs q plain steps; "flat": up to 16 tokens cost one step) to
+    decide with those costs instead.
     `step`: how a pass runs. "eager": shapes follow the tokens, and the draft
     reads each choice back; "static": fixed shapes (`static.py`) and one read
     back per round (`static_loop.py`); "graphs": static, with every pass
@@ -83,10 +85,22 @@ def wrap(
     so a low-precision output may part from `model.generate`'s at a rounding
     near-tie even with drafting off); "transformers", its own functions
     throughout (drafting off then computes exactly what `model.generate` does).
+    `reproducible` (True): every call decides its drafts from its input tokens
+    and a cost table fixed for the wrapper (loaded from disk as measured, never
+    refined by timings), each call starting afresh, so the same input gives the
+    same output on every call, and in every process on this machine until the
+    table is re-measured (`measure_costs(cached=False)`, `selfspec costs`).
+    Greedy output is the target's either way, but in bfloat16 (or float32)
+    drafts of other lengths round differently and may part from it at a
+    near-tie. False: refine the table from every round's timings (written back
+    for the next process), carry acceptance estimates, recycled successors and
+    the recycle ledger across greedy calls, and pause a fixed plan's drafting
+    by timing; faster where the measured table misprices passes or the calls
+    share text, but a low-precision output may change from call to call.
     """
     adapter = adapter_for(model)
     return SelfSpecModel(model, adapter=adapter, plan=_as_plan(plan, adapter, model.config), costs=costs, step=step,
-                         kernels=kernels)
+                         kernels=kernels, reproducible=reproducible)
 
 
 def _as_plan(plan, adapter: Adapter, config) -> DraftPlan:
@@ -120,9 +134,12 @@ class SelfSpecModel:
 
     def __init__(
         self, model, *, adapter: Adapter, plan: DraftPlan, costs: PassCosts | str | None = None, step: str = "auto",
-        kernels: str = "measured",
+        kernels: str = "measured", reproducible: bool = True,
     ) -> None:
         check_choice(kernels)
+        if not isinstance(reproducible, bool):
+            raise ValueError(f"reproducible must be True or False, got {reproducible!r}")
+        self.reproducible = reproducible  # decide from the tokens and a fixed table alone (`wrap`)
         self.model = model
         self.adapter = adapter
         self.parts: ModelParts = adapter.bind(model)
@@ -148,11 +165,13 @@ class SelfSpecModel:
                                       draft_layers=self.drafter.has_layers)
         self.graphed: GraphedRunner | None = None  # kept across generations: its graphs hold its cache's addresses
         self.last_stats: GenerationStats | BatchStats | None = None
-        # A recycled-draft plan's successor table (`recycle.py`) lives across greedy generations: it only ever
-        # changes what is drafted. Sampling starts each call afresh, so a seed reproduces its sample.
+        # Unless reproducible, a recycled-draft plan's successor table (`recycle.py`) lives across greedy
+        # generations: it only ever changes what is drafted. Sampling starts each call afresh, so a seed
+        # reproduces its sample; so does every call of a reproducible wrapper.
         self.successors = SuccessorTable()
         # So do the cost policy's acceptance estimates (`policy.py`): each greedy call goes on from what the
-        # earlier ones learned instead of trying every draft source afresh at the plan's prior.
+        # earlier ones learned instead of trying every draft source afresh at the plan's prior. A reproducible
+        # wrapper keeps the last greedy call's here, for its `recycle_ledger`, but starts each call afresh.
         self.learned: tuple[AcceptanceEstimates, DepthCalibration, RecycleLedger] | None = None
 
     def _resolve_step(self, step: str) -> str:
@@ -194,26 +213,40 @@ class SelfSpecModel:
 
     @property
     def recycle_ledger(self) -> RecycleLedger | None:
-        """Whether recycling pays, as the greedy calls so far judged it (`policy.RecycleLedger`; None before the
-        first greedy call of a cost policy). Its `describe()` says whether recycling is on and how often it paused."""
+        """Whether recycling pays, as the greedy calls so far (a reproducible wrapper: the last one) judged it
+        (`policy.RecycleLedger`; None before the first greedy call of a cost policy). Its `describe()` says whether
+        recycling is on and how often it paused."""
         return self.learned[2] if self.learned is not None else None
 
     @property
     def costs(self) -> PassCosts:
-        """What a pass costs here: the table the rounds start from (measured on first use, cached on disk)."""
+        """What a pass costs here: the table the rounds start from (measured on first use, cached on disk; with
+        `reproducible=False`, as earlier processes' rounds refined it)."""
         if self.injected_costs is not None:
             return self.injected_costs
         return self._runtime_costs().table
 
     def _runtime_costs(self) -> RuntimeCosts:
-        return self.cost_tables.runtime(self.measure_costs)
+        return self.cost_tables.runtime(lambda: self._load_costs(refined=not self.reproducible))
 
     def draft_read_fraction(self) -> float:
         """The weights one drafted token reads, in plain steps (`cost_tables.draft_read_fraction`)."""
         return draft_read_fraction(self.parts, self.drafter, head=self.head, vocab=self.vocab)
 
     def measure_costs(self, *, cached: bool = True, repeats: int = 3) -> PassCosts:
-        """Time the passes this plan uses here (see `costs.py`); `cached=False` measures afresh."""
+        """Time the passes this plan uses here (see `costs.py`), or read them from the disk cache.
+
+        `cached=False` re-measures: the new table replaces the cached one (and
+        any refinement of it) on disk and for this wrapper's next generation;
+        a reproducible wrapper's decisions change only so.
+        """
+        table = self._load_costs(refined=cached and not self.reproducible, cached=cached, repeats=repeats)
+        if not cached:
+            self.cost_tables.forget()  # the next generation starts from the new table
+        return table
+
+    def _load_costs(self, *, refined: bool, cached: bool = True, repeats: int = 3) -> PassCosts:
+        """The table of this plan's passes (`refined`: as earlier rounds refined it, where they did)."""
 
         def draft_step(runner: LayerRunner, position: int) -> None:
             logits = self.drafter.step(runner, 0, position)  # [1, vocab]
@@ -235,7 +268,7 @@ class SelfSpecModel:
                     draft_only=draft,
                 )
 
-        return self.cost_tables.load_or_measure(measure, max_width=self.max_width, cached=cached)
+        return self.cost_tables.load_or_measure(measure, max_width=self.max_width, cached=cached, refined=refined)
 
     def memory(self, *, context: int | None = None) -> MemoryReport:
         """Bytes held: weights as stored, the KV cache for `context` positions, the plan's head and vocabulary.
@@ -268,17 +301,19 @@ class SelfSpecModel:
         return self.kernel_choice.context()
 
     def _policy(self, settings: GenerationSettings) -> DraftPolicy:
+        # A seed must reproduce a sample, and a reproducible wrapper its greedy output: then decide from the table
+        # and the tokens alone, never from timing noise or earlier calls. Otherwise greedy runs learn from every
+        # round (greedy output is the target's whatever is drafted, up to rounding at a near-tie).
+        fixed = settings.do_sample or self.reproducible
         if self.plan.policy == "fixed" or not self.plan.drafts:
-            return policy_for(self.plan, off_switch=not settings.do_sample)
-        # A seed must reproduce a sample: when sampling, decide from the table and the tokens alone, never from
-        # timing noise (greedy output is the same whatever is drafted, so greedy runs learn from every round).
-        if self.injected_costs is None and not settings.do_sample:
+            return policy_for(self.plan, off_switch=not fixed)
+        if self.injected_costs is None and not fixed:
             runtime = self._runtime_costs()
         else:
             runtime = RuntimeCosts(self.costs, learn=False)
         policy = policy_for(self.plan, runtime, exact_prefix=self.drafter.exact_prefix)
         if not settings.do_sample:  # a sample's drafts depend on its seed and the prompt alone
-            if self.learned is None:
+            if self.learned is None or self.reproducible:
                 self.learned = (policy.acceptance, policy.recycled, policy.ledger)
             policy.acceptance, policy.recycled, policy.ledger = self.learned
         return policy
@@ -384,7 +419,7 @@ class SelfSpecModel:
     def _batch_costs(self, rows: int, learn: bool) -> RuntimeCosts:
         """What a pass over `rows` rows costs here, by width, and a draft step over them: measured once per row
         count (and cached on disk)."""
-        return self.cost_tables.batch_costs(rows, learn, injected=self.injected_costs,
+        return self.cost_tables.batch_costs(rows, learn and not self.reproducible, injected=self.injected_costs,
                                             width=self.plan.draft_length + 1, draft_layers=self._batch_draft_layers(),
                                             draft=self.describe_plan(), head=self.head, vocab=self.vocab)
 
@@ -451,7 +486,7 @@ class SelfSpecModel:
                               device=self.parts.device, probe_verify=not isinstance(runner, GraphedRunner))
         successors = None
         if self.plan.recycle and self.plan.drafts:
-            successors = SuccessorTable() if settings.do_sample else self.successors
+            successors = SuccessorTable() if settings.do_sample or self.reproducible else self.successors
             policy.count_recording(successors)
         scorer = Scorer(settings, generator)
         out = Output(prompt, settings, streamer)

@@ -192,7 +192,10 @@ def test_measured_batch_costs(tmp_path, monkeypatch):
     assert table.max_width == NGRAM_LAYERS.draft_length + 1 and "3 rows" in table.machine
     assert all(b >= a for a, b in zip(table.verify, table.verify[1:]))
     assert list(tmp_path.glob("*.json"))  # cached on disk
-    assert spec._batch_costs(3, True) is runtime  # and in memory
+    assert spec._batch_costs(3, True).table is table  # and in memory
+    assert not runtime.learn  # reproducible: the rounds' timings do not refine it
+    refining = selfspec.wrap(model, plan=NGRAM_LAYERS, reproducible=False)
+    assert refining._batch_costs(3, True).learn and refining._batch_costs(3, True) is refining._batch_costs(3, True)
     assert table.long_context == 1024 and len(table.verify_long) == table.max_width  # and at a long context
 
 

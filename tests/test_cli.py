@@ -392,6 +392,20 @@ def test_generate_compare_on_a_tiny_model(tiny_folder, capsys):
     assert "costs: plain step" in out and "memory: weights" in out
 
 
+def test_no_reproducible_reaches_wrap(tiny_folder, capsys, monkeypatch):
+    """`generate` and `serve` wrap reproducibly unless told `--no-reproducible`."""
+    from selfspec.cli import build_parser
+
+    seen = []
+    wrap = selfspec.wrap
+    monkeypatch.setattr(selfspec, "wrap", lambda *a, **k: (seen.append(k["reproducible"]), wrap(*a, **k))[1])
+    for flags in ([], ["--no-reproducible"]):
+        assert main(["generate", "--model", str(tiny_folder), "--max-new-tokens", "4", *flags, "hi"]) == 0
+    assert seen == [True, False]
+    assert build_parser().parse_args(["serve", "m"]).reproducible is True
+    assert build_parser().parse_args(["serve", "m", "--no-reproducible"]).reproducible is False
+
+
 def test_generate_on_the_static_step(tiny_folder, capsys):
     args = ["generate", "--model", str(tiny_folder), "--max-new-tokens", "12", "--step", "static", "--compare", "hi"]
     assert main(args) == 0

@@ -154,9 +154,10 @@ def test_the_static_step_drafts_recycled_trees_and_equals_generate():
 
 
 def test_the_table_carries_over_between_greedy_calls_and_sampling_starts_afresh():
+    """With `reproducible=False`; a reproducible wrapper starts every call afresh (`test_reproducible.py`)."""
     model = tiny_model("llama", torch.float64)
     prompt = random_prompt(20, seed=1)
-    spec = selfspec.wrap(model, plan=RECYCLE_PLANS[1], costs="flat")
+    spec = selfspec.wrap(model, plan=RECYCLE_PLANS[1], costs="flat", reproducible=False)
     first_rounds = []
     original = spec.drafter.recycled_draft
 
@@ -408,12 +409,13 @@ def test_the_time_spent_recording_counts_when_greedy_and_not_when_sampling():
 
 @pytest.mark.parametrize("step", ["eager", "static"])
 def test_a_paused_ledger_records_and_drafts_no_recycled_nodes_and_the_output_is_unchanged(step):
-    """Greedy keeps its ledger between calls: paused for 12 rounds, the next call drafts and records nothing
-    recycled for those rounds, reports them, then resumes; the text is `model.generate`'s throughout."""
+    """Greedy (`reproducible=False`) keeps its ledger between calls: paused for 12 rounds, the next call drafts
+    and records nothing recycled for those rounds, reports them, then resumes; the text is `model.generate`'s
+    throughout."""
     model = tiny_model("llama", torch.float64)
     prompt = random_prompt(20, seed=1)
     ref = model.generate(prompt, do_sample=False, max_new_tokens=40)
-    spec = selfspec.wrap(model, plan=RECYCLE_PLANS[0], costs="flat", step=step)
+    spec = selfspec.wrap(model, plan=RECYCLE_PLANS[0], costs="flat", step=step, reproducible=False)
     assert_same(spec.generate(prompt, max_new_tokens=40), ref, step)
     assert spec.last_stats.recycling_paused == 0 and spec.last_stats.recycled_drafted > 0
     ledger = spec.recycle_ledger

@@ -148,6 +148,13 @@ def add_step_argument(parser: argparse.ArgumentParser) -> None:
                              "(fixed shapes, one read back per round), graphs (static + CUDA graphs; CUDA only)")
 
 
+def add_reproducible_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-reproducible", dest="reproducible", action="store_false",
+                        help="refine the cost table from every round's timings and learn across requests "
+                             "(`wrap(reproducible=False)`); by default the drafts depend on the input and the "
+                             "cached cost table alone, so the same greedy input gives the same output every time")
+
+
 def check_step(step: str, device: str) -> None:
     """`--step graphs` needs `--device cuda`: said before a model is loaded."""
     if step == "graphs" and not device.startswith("cuda"):

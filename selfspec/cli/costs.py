@@ -3,8 +3,9 @@
     selfspec costs                                   # SmolLM2, float32 and bfloat16, its default plan
     selfspec costs gemma3-270m --dtype bfloat16 --plan examples/plans/gemma3-ngram-exit14.json
 
-For each dtype it measures afresh (the engine's own measurement, `selfspec.costs`)
-a verify pass over 1..k+1 tokens and one draft step of the plan, in units of
+For each dtype it measures afresh (the engine's own measurement, `selfspec.costs`;
+it replaces the cached table generations decide with) a verify pass over
+1..k+1 tokens and one draft step of the plan, in units of
 one plain decoding step, and the acceptance a drafted token needs before
 drafting pays: an n-gram copy (free to draft) and a layer draft. With two
 dtypes it says which one decodes faster here.

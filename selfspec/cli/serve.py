@@ -58,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", choices=common.QUANTIZE_CHOICES, default=None,
                         help="quantize the model's linear layers weight-only after loading (torchao)")
     common.add_step_argument(parser)
+    common.add_reproducible_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"selfspec: loading {args.model} ({args.dtype}, {args.device})...", file=sys.stderr, flush=True)
     began = time.perf_counter()
     model, tokenizer = selfspec.load(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize)
-    spec = selfspec.wrap(model, plan=plan, step=args.step)
+    spec = selfspec.wrap(model, plan=plan, step=args.step, reproducible=args.reproducible)
     print(f"selfspec: loaded in {time.perf_counter() - began:.1f} s; plan: {spec.describe_plan()}", file=sys.stderr,
           flush=True)
     name = args.model_name or args.model

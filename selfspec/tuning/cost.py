@@ -102,7 +102,8 @@ class CostModel:
 def measure_cost_model(model, *, max_draft_length: int = 8, repeats: int = 3, cached: bool = True) -> CostModel:
     """The runtime's cost tables for `model` on this machine, in its dtype (`SelfSpecModel.measure_costs`).
 
-    `cached`: read (and keep) the tables a generation uses, as the engine does; False measures afresh.
+    `cached`: read (and keep) the tables a generation uses, as the engine does; False measures afresh
+    (and replaces the cached tables, `SelfSpecModel.measure_costs`).
     """
 
     def measured(exit_layer: int) -> PassCosts:

@@ -162,6 +162,7 @@ def simulate(
     costs: PassCosts,
     exact_prefix: int = 0,
     prompt_lengths: Sequence[int] | None = None,
+    carry: bool = False,
 ) -> Simulation:
     """Replay the engine's greedy decode loop for `policy` on measured agreements.
 
@@ -173,14 +174,17 @@ def simulate(
     `exact_prefix`: the layers a verify pass resumes after;
     `prompt_lengths[i]`: sequence i's prompt (the context a pass is priced at).
     The policy is the engine's (`policy_for`), through the contract the
-    rounds use; like the engine's greedy calls, a cost policy carries what it
-    learned from one sequence to the next.
+    rounds use; like the engine's greedy calls (`wrap`'s default
+    `reproducible=True`), each sequence starts afresh. `carry`: a cost policy
+    carries what it learned from one sequence to the next, as greedy calls of
+    a wrapper with `reproducible=False` do.
     """
     rounds = drafted_total = accepted_total = emitted_total = sequences = 0
     cost = 0.0
     plan = policy.plan()
     runtime = RuntimeCosts(costs, learn=False)
-    shared = policy_for(plan, runtime, exact_prefix=exact_prefix) if plan.policy == "cost" else None
+    carried = carry and plan.policy == "cost"
+    shared = policy_for(plan, runtime, exact_prefix=exact_prefix) if carried else None
     for index, limit in enumerate(limits):
         generated = len(agreement.matches[index]) + 1
         runs = agreement.accepted_runs(index)
