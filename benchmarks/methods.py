@@ -22,6 +22,9 @@ does) with what it knows about its own passes (`PassCounts`).
 - `selfspec-plain-fast`, `selfspec-plan-fast`: the same two on the fast step,
   `step="graphs"` on CUDA, `step="static"` elsewhere; the three above run
   `step="eager"`.
+- `llama-cpp` (optional, `benchmarks/llama_cpp.py`): llama.cpp's plain greedy
+  decoding of the same weights as an F32 or BF16 GGUF (the model's dtype, CPU
+  only), when llama-cpp-python is installed: the CPU anchor.
 
 Hugging Face does not report passes for assisted generation. For the `hf-*`
 methods we count the full forward passes by a forward hook on the last decoder
@@ -36,6 +39,7 @@ This module does not time, compare or report.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,8 +63,10 @@ ALL_METHODS = (
     "hf-static-compile",
     "selfspec-plain-fast",
     "selfspec-plan-fast",
+    "llama-cpp",
 )
 FAST_METHODS = ("hf-static-compile", "selfspec-plain-fast", "selfspec-plan-fast")  # by default on CUDA only
+OPTIONAL_METHODS = ("llama-cpp",)  # in the default run only where llama-cpp-python is installed, on a CPU
 STATIC_CACHE_LENGTH = 2048  # positions of hf-static-compile's one cache: prompt + new tokens must fit
 
 
@@ -243,6 +249,10 @@ def build_method(
         step = fast_step(model)
         return selfspec_method(name, f"selfspec, plan {plan.name or '(unnamed)'}, policy {plan.policy}, step={step}",
                                model, plan, max_new_tokens=max_new_tokens, costs=costs, step=step)
+    if name == "llama-cpp":
+        from .llama_cpp import llama_cpp_method
+
+        return llama_cpp_method(model, max_new_tokens=max_new_tokens)
     if name in ("selfspec-plan", "selfspec-fixed"):
         variant = plan if name == "selfspec-plan" else fixed_rule(plan)
         return selfspec_method(
@@ -266,11 +276,22 @@ def default_methods(plan: DraftPlan | None, device: str = "cpu") -> list[str]:
 
     `selfspec-fixed` only where the plan chooses k by cost; the fast-step
     methods on CUDA only (on a CPU, compiling takes minutes and the static
-    step is a GPU's path: ask for them with --methods).
+    step is a GPU's path: ask for them with --methods); `llama-cpp` on a CPU
+    where llama-cpp-python is installed.
     """
     with_fixed = plan is not None and plan.drafts and plan.policy == "cost"
+    with_llama_cpp = device.startswith("cpu") and llama_cpp_installed()
     return [m for m in ALL_METHODS
-            if (m != "selfspec-fixed" or with_fixed) and (m not in FAST_METHODS or device.startswith("cuda"))]
+            if (m != "selfspec-fixed" or with_fixed) and (m not in FAST_METHODS or device.startswith("cuda"))
+            and (m not in OPTIONAL_METHODS or with_llama_cpp)]
+
+
+def llama_cpp_installed() -> bool:
+    """Whether llama-cpp-python can be imported (looked up, not imported)."""
+    try:
+        return importlib.util.find_spec("llama_cpp") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def early_exit_candidates(layers: int) -> list[int]:

@@ -300,8 +300,9 @@ def build_methods(names, model, args, plan, exit_layer, prompts, device,
                 warm_up = build_method(short, max_new_tokens=WARMUP_TOKENS, **options)
                 method = build_method(short, max_new_tokens=args.max_new_tokens, **options)
                 method.name = warm_up.name = name
-        except Exception as error:
+        except Exception as error:  # e.g. llama-cpp without llama-cpp-python: one line, the run goes on
             failed[name] = f"{type(error).__name__}: {error}"
+            print(f"skipped {name}: {failed[name]}", flush=True)
             continue
         warm = measure(warm_up, warm_prompt, device)
         print(f"warm-up {name}: {warm.error or 'ok'} ({warm.seconds:.1f} s)", flush=True)
