@@ -8,6 +8,9 @@ vocabulary) score it. Later draft steps join the head's own output with the
 drafted token: a drafted token costs one layer and the LM head, however deep
 the target is.
 
+Every input of `fuse` and `join` is RMS-normalised first: a deep state's
+scale is hundreds of times an embedding's.
+
 Position p's input is (f at p - 1, token p); f before position 0 is zero.
 The head is layer N of the one cache. Only its first draft step reads the
 target's state, so after a verify pass the passes rewrite its entries for
@@ -23,6 +26,7 @@ import os
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from .artifacts import load_artifact, model_identity, save_artifact
 from .head import check_head_header
@@ -30,6 +34,12 @@ from .parts import ModelParts
 from .quant import dense_copy
 
 KIND = "feature_head"
+INPUTS = "rms-normed"  # how `fuse` and `join` see their inputs; a head saved without it was trained otherwise
+
+
+def _normed(x: torch.Tensor) -> torch.Tensor:
+    """`x` `[.., hidden]` scaled to unit root-mean-square over its last dimension (computed in float32)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=1e-6).to(x.dtype)
 
 
 def default_reads(num_layers: int) -> tuple[int, ...]:
@@ -79,11 +89,11 @@ class FeatureHead(nn.Module):
 
     def fused(self, states: list[torch.Tensor]) -> torch.Tensor:
         """f `[.., hidden]` from the target's states after each read layer, each `[.., hidden]`."""
-        return self.fuse(torch.cat(states, dim=-1))
+        return self.fuse(torch.cat([_normed(s) for s in states], dim=-1))
 
     def inputs(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """The layer's input `[.., hidden]`: token embeddings `[.., hidden]` joined with the preceding states."""
-        return self.join(torch.cat([embeds, features], dim=-1))
+        return self.join(torch.cat([_normed(embeds), _normed(features)], dim=-1))
 
     def shape(self) -> dict:
         return {"layer_class": type(self.layer).__name__,
@@ -95,14 +105,17 @@ def save_feature_head(path: str | os.PathLike, head: FeatureHead, *, model, part
     """Save `head` (float32 weights) and its manifest; returns the manifest path."""
     return save_artifact(
         path, kind=KIND, model_id=model_identity(model, parts),
-        settings={"reads": list(head.reads), "source_layer": head.source_layer, "shape": head.shape(),
-                  "training": training},
+        settings={"reads": list(head.reads), "source_layer": head.source_layer, "inputs": INPUTS,
+                  "shape": head.shape(), "training": training},
         tensors={k: v.float() for k, v in head.state_dict().items()},
     )
 
 
 def check_feature_manifest(manifest: dict, num_layers: int) -> None:
-    """`reads`: increasing layer indices in 0..N-1; `source_layer` in 0..N-1."""
+    """`reads`: increasing layer indices in 0..N-1; `source_layer` in 0..N-1; inputs normalised as this version's."""
+    if manifest.get("inputs") != INPUTS:
+        raise ValueError(f"inputs={manifest.get('inputs')!r}: this feature head was trained by an older selfspec, "
+                         f"whose head read unnormalised states (this one needs {INPUTS!r}); train it again")
     reads = manifest.get("reads")
     if (not isinstance(reads, list) or not reads or reads != sorted(set(reads))
             or any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers for i in reads)):

@@ -324,6 +324,10 @@ def test_count_vocab_and_train_head_on_a_tiny_model(tiny_folder, tmp_path, capsy
                  "--out", str(features)]) == 0
     printed = capsys.readouterr().out
     assert "agreement per draft position" in printed and "mean accepted chain of 3" in printed, printed
+    plan = json.loads((features.parent / "features.plan.json").read_text())
+    trained = json.loads((features.parent / "features.json").read_text())["training"]
+    assert plan["draft_vocab"] == "features-vocab.json"  # the head learned to draft from it
+    assert trained["draft_vocab"]["file"] == "features-vocab.json" and trained["draft_vocab"]["tokens"] >= 1
     model, _ = selfspec.load(str(tiny_folder), dtype="float32")
     spec = selfspec.wrap(model, plan=str(features.parent / "features.plan.json"))
     prompt = torch.tensor([[1, 5, 7, 5, 9]])

@@ -93,6 +93,10 @@ def test_a_saved_head_loads_back_and_refuses_bad_input(tmp_path):
     with pytest.raises(ValueError, match="another model|made for|model"):
         selfspec.wrap(other, plan=selfspec.DraftPlan(head=str(path)))
     manifest = json.loads(path.read_text())
+    unnormed = {k: v for k, v in manifest.items() if k != "inputs"}  # a head from before inputs were normalised
+    path.write_text(json.dumps(unnormed))
+    with pytest.raises(ValueError, match="trained by an older selfspec.*train it again"):
+        selfspec.wrap(model, plan=selfspec.DraftPlan(head=str(path)))
     manifest["reads"] = [1, n + 3]
     path.write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match=r"reads=\[1, 9\] out of range"):

@@ -59,3 +59,24 @@ def test_training_lowers_the_loss_and_reports_agreement_per_position():
     per_position, chain = agreement(head, parts, data[:1], 3)
     assert len(per_position) == 3 and all(0 <= a <= 1 for a in per_position) and 0 <= chain <= 3
     assert log.eval_agreement[-1] == pytest.approx(per_position)
+
+
+def test_training_over_a_draft_vocabulary_drafts_only_its_tokens():
+    """With `ids`, p and q are over those tokens: the head learns to pick among them, and agreement counts a
+    target token outside them as a miss."""
+    model = tiny_model("llama", torch.float32)
+    parts = model_parts(model)
+    head = FeatureHead.from_model(parts).requires_grad_(True).train()
+    data = [target_states(parts, random_prompt(24, seed=i)[0].tolist(), head.reads) for i in range(6)]
+    ids = torch.arange(0, parts.lm_head.weight.shape[0], 2)  # [K]: the even tokens
+    log = train_features(head, parts, data[1:], data[:1], steps=2, epochs=6, minutes=5, lr=3e-3, positions=16,
+                         eval_every=10, ids=ids)
+    assert sum(log.losses[-5:]) < sum(log.losses[:5]), log.losses
+    head.eval()
+    target = parts.lm_head(data[0].final_normed).argmax(-1)  # [T]
+    odd = (target % 2 == 1).float().mean().item()  # positions no even-token draft can match
+    per_position, _ = agreement(head, parts, data[:1], 2, ids)
+    assert per_position[0] <= 1 - odd + 1e-6
+    never = next(t for t in range(parts.lm_head.weight.shape[0]) if t not in set(target.tolist()))
+    none = agreement(head, parts, data[:1], 2, torch.tensor([never]))[0]  # [K=1]: a token the target never picks
+    assert none == [0.0, 0.0]

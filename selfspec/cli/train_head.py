@@ -10,8 +10,9 @@ The text is the model's own greedy answers to a prompt set (`--data`, read as
 file (`--text`); see `common.add_text_arguments`. It writes the head
 (`OUT.safetensors` + `OUT.json`), a plan that uses it (`OUT.plan.json`), the
 training curve (`OUT.curve.png` with matplotlib) and, unless `--no-vocab`, a
-draft vocabulary counted on the same answers (`OUT-vocab.*`). Every argument
-is checked against the model before any work. This module parses and prints;
+draft vocabulary counted on the training answers (`OUT-vocab.*`; a feature
+head learns to draft from it, and its plan uses it). Every argument is
+checked against the model before any work. This module parses and prints;
 the work is in `selfspec.training` and the head and vocabulary modules.
 """
 
@@ -85,12 +86,14 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     command = shlex.join(["selfspec", "train-head", *sys.argv[2:]]) if sys.argv[1:2] == ["train-head"] else ""
     training = {"source": source, "command": command, "epochs": args.epochs, "lr": args.lr}
-    trained = train_feature_head if args.feature else train_exit_head
-    manifest, plan, summary = trained(args, model, parts, sequences, training, began)
     vocab = None
-    if not args.no_vocab:
-        counts = count_tokens(answers, parts.lm_head.weight.shape[0])
+    if not args.no_vocab:  # counted on the training answers: the held-out ones stay unseen
+        counts = count_tokens(answers[_held_out(args, len(answers)):], parts.lm_head.weight.shape[0])
         vocab = save_vocab(out.parent / f"{out.name}-vocab", counts, model=model, parts=parts, source=source)
+    if args.feature:
+        manifest, plan, summary = train_feature_head(args, model, parts, sequences, training, began, vocab)
+    else:
+        manifest, plan, summary = train_exit_head(args, model, parts, sequences, training, began)
     plan_path = out.parent / f"{out.name}.plan.json"
     plan.save(plan_path)
     print(summary)
@@ -98,9 +101,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _held_out(args: argparse.Namespace, count: int) -> int:
+    """How many of the first sequences are held out: `--eval-fraction` of them, at least one."""
+    return max(1, int(count * args.eval_fraction))
+
+
 def _split(args: argparse.Namespace, data: list) -> tuple[list, list]:
-    """(held out, training): the first `--eval-fraction` of the sequences are held out."""
-    split = max(1, int(len(data) * args.eval_fraction))
+    """(held out, training)."""
+    split = _held_out(args, len(data))
     return data[:split], data[split:]
 
 
@@ -116,13 +124,17 @@ def _bar(total: int):
     return bar, step
 
 
-def train_feature_head(args, model, parts, sequences, training: dict, began: float):
-    """Train, save and describe a feature head: (manifest path, its plan, a summary to print)."""
+def train_feature_head(args, model, parts, sequences, training: dict, began: float, vocab: Path | None):
+    """Train, save and describe a feature head: (manifest path, its plan, a summary to print). With a draft
+    vocabulary (`vocab`, its manifest), the head learns to draft from its counted tokens, and its plan uses it."""
     from tqdm.auto import tqdm
 
     from ..feature_head import FeatureHead, save_feature_head
     from ..plan import DraftPlan
     from ..training.feature_distill import plot_agreement, target_states, train_features
+    from ..vocab import load_vocab
+
+    ids = None if vocab is None else load_vocab(vocab, 0, model=model, parts=parts).ids  # [K]: every counted token
 
     head = FeatureHead.from_model(parts, reads=args.reads, source_layer=args.source_layer)
     data = [target_states(parts, s, head.reads)
@@ -133,16 +145,19 @@ def train_feature_head(args, model, parts, sequences, training: dict, began: flo
     with bar:
         log = train_features(head, parts, train_data, eval_data, steps=args.unroll, epochs=args.epochs,
                              minutes=args.minutes, lr=args.lr, positions=args.positions, seed=args.seed,
-                             progress=step)
+                             ids=ids, progress=step)
     head.eval().requires_grad_(False)
     out = Path(args.out)
     training.update(unroll=args.unroll, positions=args.positions, seconds=round(time.perf_counter() - began),
                     tokens=log.tokens, training_seconds=round(log.seconds), steps=len(log.steps),
                     eval_steps=log.eval_steps, eval_agreement=log.eval_agreement, eval_chain=log.eval_chain,
                     final_loss=sum(log.losses[-20:]) / max(1, len(log.losses[-20:])))
+    if ids is not None:
+        training["draft_vocab"] = {"file": Path(vocab).name, "tokens": int(ids.numel())}
     manifest = save_feature_head(out, head, model=model, parts=parts, training=training)
     plot_agreement(log, out.parent / f"{out.name}.curve.png")
-    plan = DraftPlan(head=manifest.name, draft_length=args.draft_length, name="feature head")
+    plan = DraftPlan(head=manifest.name, draft_length=args.draft_length, name="feature head",
+                     draft_vocab=None if vocab is None else Path(vocab).name)
     per_position = ", ".join(f"{a:.1%}" for a in log.eval_agreement[-1])
     return manifest, plan, (f"{json.dumps({k: training[k] for k in ('seconds', 'tokens', 'final_loss')})}\n"
                             f"held-out top-1 agreement per draft position: {per_position}; "

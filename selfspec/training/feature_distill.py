@@ -8,7 +8,7 @@
    j - 1 output at t - 1, and attends as a draft chain started at s = t - j
    would: to step 0's entries up to s and to steps 1..j at s + 1..t.
 3. Loss: KL(p || q) at each step, averaged, on a sample of positions (the
-   LM head is most of the cost). AdamW, warm-up, clipping, cosine decay over
+   LM head is most of the cost; over a draft vocabulary, a tenth of it). AdamW, warm-up, clipping, cosine decay over
    the epochs or the time budget, whichever runs out first.
 4. Held-out agreement per draft position, and the mean accepted chain length.
 
@@ -96,7 +96,7 @@ def unrolled_states(head: FeatureHead, parts: ModelParts, runner: LayerRunner, d
     """The head's output `[1, T, hidden]` at each of `steps` unrolled steps (see the module's docstring)."""
     length = len(data.tokens)
     embeds = runner.embed(data.tokens, 0)  # [1, T, hidden]
-    fused = head.fuse(data.reads[None].to(embeds.dtype))  # [1, T, hidden]
+    fused = head.fused(list(data.reads[None].to(embeds.dtype).split(embeds.shape[-1], dim=-1)))  # [1, T, hidden]
     zero = torch.zeros_like(embeds[:, :1])
     before = torch.cat([zero, fused[:, :-1]], dim=1)
     slot = head.slot
@@ -112,14 +112,22 @@ def unrolled_states(head: FeatureHead, parts: ModelParts, runner: LayerRunner, d
     return outputs
 
 
-def _log_probs(parts: ModelParts, normed: torch.Tensor) -> torch.Tensor:
-    return F.log_softmax(soft_cap(parts.lm_head(normed).float(), parts.logit_softcap), dim=-1)
+def _log_probs(parts: ModelParts, normed: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Log-probabilities `[.., V]` from final-normed states; with `ids` `[K]`, over those tokens only `[.., K]`
+    (the target's distribution given that the token is one of them)."""
+    if ids is None:
+        return F.log_softmax(soft_cap(parts.lm_head(normed).float(), parts.logit_softcap), dim=-1)
+    bias = getattr(parts.lm_head, "bias", None)
+    logits = F.linear(normed, parts.lm_head.weight[ids], None if bias is None else bias[ids])  # [.., K]
+    return F.log_softmax(soft_cap(logits.float(), parts.logit_softcap), dim=-1)
 
 
 @torch.no_grad()
-def agreement(head: FeatureHead, parts: ModelParts, data: Sequence[TargetStates], steps: int) -> tuple[list[float], float]:
+def agreement(head: FeatureHead, parts: ModelParts, data: Sequence[TargetStates], steps: int,
+              ids: torch.Tensor | None = None) -> tuple[list[float], float]:
     """Top-1 agreement with the target at each draft position (1..steps), and the mean accepted length of a
-    chain of `steps` drafts (greedy: the leading drafts that agree)."""
+    chain of `steps` drafts (greedy: the leading drafts that agree). With a draft vocabulary `ids` `[K]`, the
+    head picks among those tokens and the target among all."""
     same, total = [0] * steps, [0] * steps
     chains, chain_total = 0, 0
     for d in data:
@@ -127,7 +135,8 @@ def agreement(head: FeatureHead, parts: ModelParts, data: Sequence[TargetStates]
         target = _log_probs(parts, d.final_normed.to(parts.lm_head.weight)).argmax(-1)  # [T]
         hits = []
         for j, out in enumerate(unrolled_states(head, parts, runner, d, steps)):
-            right = _log_probs(parts, parts.norm(out)[0]).argmax(-1) == target  # [T]
+            picked = _log_probs(parts, parts.norm(out)[0], ids).argmax(-1)  # [T]
+            right = (picked if ids is None else ids[picked]) == target  # [T]
             same[j] += int(right[j:].sum())
             total[j] += len(right) - j
             hits.append(right)
@@ -143,8 +152,12 @@ def agreement(head: FeatureHead, parts: ModelParts, data: Sequence[TargetStates]
 
 def train_features(head: FeatureHead, parts: ModelParts, train_data: Sequence[TargetStates],
                    eval_data: Sequence[TargetStates], *, steps: int, epochs: float, minutes: float, lr: float,
-                   positions: int = 128, seed: int = 0, eval_every: int = 100, progress=None) -> FeatureLog:
-    """Fit `head` (float32, trainable) to KL(p || q) over `steps` unrolled draft steps; the loss and agreement."""
+                   positions: int = 128, seed: int = 0, eval_every: int = 100, ids: torch.Tensor | None = None,
+                   progress=None) -> FeatureLog:
+    """Fit `head` (float32, trainable) to KL(p || q) over `steps` unrolled draft steps; the loss and agreement.
+
+    With a draft vocabulary `ids` `[K]` (the tokens the head will draft from), p and q are over those tokens
+    only: the LM head's cost, most of a step's, shrinks by V / K."""
     torch.manual_seed(seed)
     for module in (parts.lm_head, parts.norm, parts.embed):  # frozen: no gradients for the target's weights
         module.requires_grad_(False)
@@ -164,9 +177,9 @@ def train_features(head: FeatureHead, parts: ModelParts, train_data: Sequence[Ta
         rows = torch.tensor(sorted(rng.sample(range(steps - 1, length), min(positions, length - steps + 1))),
                             device=device)  # [P] positions every step is scored at
         with torch.no_grad():
-            log_p = _log_probs(parts, d.final_normed.to(device)[rows])  # [P, V]
+            log_p = _log_probs(parts, d.final_normed.to(device)[rows], ids)  # [P, V or K]
         runner = LayerRunner(parts, capacity=length, device=device, head=head)
-        loss = sum(F.kl_div(_log_probs(parts, parts.norm(out[0, rows])), log_p, log_target=True,
+        loss = sum(F.kl_div(_log_probs(parts, parts.norm(out[0, rows]), ids), log_p, log_target=True,
                             reduction="batchmean") for out in unrolled_states(head, parts, runner, d, steps)) / steps
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -183,7 +196,7 @@ def train_features(head: FeatureHead, parts: ModelParts, train_data: Sequence[Ta
         out_of_time = time.perf_counter() - began > minutes * 60
         if (step + 1) % eval_every == 0 or step + 1 == total_steps or out_of_time:
             head.eval()
-            per_position, chain = agreement(head, parts, eval_data, steps)
+            per_position, chain = agreement(head, parts, eval_data, steps, ids)
             head.train()
             log.eval_steps.append(step + 1)
             log.eval_agreement.append(per_position)
