@@ -34,6 +34,7 @@ from .parts import ModelParts
 from .quant import dense_copy
 
 KIND = "feature_head"
+TOKEN_SHARE = 0.1  # a new head's join: the token's normalised embedding, at this fraction of f's size
 INPUTS = "rms-normed"  # how `fuse` and `join` see their inputs; a head saved without it was trained otherwise
 
 
@@ -67,9 +68,10 @@ class FeatureHead(nn.Module):
 
     @classmethod
     def from_model(cls, parts: ModelParts, *, reads: tuple[int, ...] | None = None,
-                   source_layer: int | None = None) -> "FeatureHead":
+                   source_layer: int | None = None, scale: float = 1.0) -> "FeatureHead":
         """A new head: its layer a copy of `source_layer` (default: the last), fuse taking the highest read state,
-        join adding the token's embedding to it."""
+        join adding a tenth of the token's embedding to it, times `scale`. Training passes the read states'
+        typical root-mean-square as `scale`, so the copied layer starts on inputs of the size it was made for."""
         n = parts.num_layers
         reads = default_reads(n) if reads is None else tuple(reads)
         if not reads or any(not isinstance(i, int) or not 0 <= i < n for i in reads) or list(reads) != sorted(set(reads)):
@@ -84,7 +86,7 @@ class FeatureHead(nn.Module):
             eye = torch.eye(hidden)
             head.fuse.weight.zero_()
             head.fuse.weight[:, -hidden:] = eye
-            head.join.weight.copy_(torch.cat([eye, eye], dim=1))
+            head.join.weight.copy_(scale * torch.cat([TOKEN_SHARE * eye, eye], dim=1))
         return head.to(device=parts.embed.weight.device, dtype=parts.dtype)
 
     def fused(self, states: list[torch.Tensor]) -> torch.Tensor:

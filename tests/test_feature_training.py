@@ -12,7 +12,8 @@ from selfspec.plan import DraftPlan
 from selfspec.registry import model_parts
 from selfspec.runner import LayerRunner
 from selfspec.testing import random_prompt, tiny_model
-from selfspec.training.feature_distill import agreement, target_states, train_features, unroll_mask, unrolled_states
+from selfspec.training.feature_distill import (agreement, state_scale, target_states, train_features, unroll_mask,
+                                              unrolled_states)
 
 
 def test_unroll_mask_is_a_draft_chains_view():
@@ -80,3 +81,19 @@ def test_training_over_a_draft_vocabulary_drafts_only_its_tokens():
     never = next(t for t in range(parts.lm_head.weight.shape[0]) if t not in set(target.tolist()))
     none = agreement(head, parts, data[:1], 2, torch.tensor([never]))[0]  # [K=1]: a token the target never picks
     assert none == [0.0, 0.0]
+
+
+def test_a_new_head_is_scaled_to_the_read_states():
+    """`state_scale` is the highest read's median RMS; a head built with it joins f at that size and a tenth of
+    the token's embedding."""
+    model = tiny_model("llama", torch.float32)
+    parts = model_parts(model)
+    reads = FeatureHead.from_model(parts).reads
+    data = [target_states(parts, random_prompt(12, seed=i)[0].tolist(), reads) for i in range(3)]
+    hidden = parts.embed.weight.shape[1]
+    rms = torch.cat([d.reads[:, -hidden:] for d in data]).pow(2).mean(-1).sqrt()  # [positions]
+    scale = state_scale(data)
+    assert scale == pytest.approx(float(rms.median()))
+    head = FeatureHead.from_model(parts, reads=reads, scale=scale)
+    eye = torch.eye(hidden)
+    assert torch.allclose(head.join.weight, scale * torch.cat([0.1 * eye, eye], dim=1))

@@ -129,17 +129,16 @@ def train_feature_head(args, model, parts, sequences, training: dict, began: flo
     vocabulary (`vocab`, its manifest), the head learns to draft from its counted tokens, and its plan uses it."""
     from tqdm.auto import tqdm
 
-    from ..feature_head import FeatureHead, save_feature_head
+    from ..feature_head import FeatureHead, default_reads, save_feature_head
     from ..plan import DraftPlan
-    from ..training.feature_distill import plot_agreement, target_states, train_features
+    from ..training.feature_distill import plot_agreement, state_scale, target_states, train_features
     from ..vocab import load_vocab
 
     ids = None if vocab is None else load_vocab(vocab, 0, model=model, parts=parts).ids  # [K]: every counted token
-
-    head = FeatureHead.from_model(parts, reads=args.reads, source_layer=args.source_layer)
-    data = [target_states(parts, s, head.reads)
-            for s in tqdm(sequences, desc="target states", unit="seq", file=sys.stderr)]
+    reads = default_reads(parts.num_layers) if args.reads is None else tuple(args.reads)
+    data = [target_states(parts, s, reads) for s in tqdm(sequences, desc="target states", unit="seq", file=sys.stderr)]
     eval_data, train_data = _split(args, data)
+    head = FeatureHead.from_model(parts, reads=reads, source_layer=args.source_layer, scale=state_scale(train_data))
     head.requires_grad_(True).train()
     bar, step = _bar(int(args.epochs * len(train_data)))
     with bar:

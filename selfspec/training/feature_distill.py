@@ -64,6 +64,13 @@ def target_states(parts: ModelParts, sequence: list[int], reads: Sequence[int]) 
     return TargetStates(list(sequence), torch.cat(states, dim=-1)[0].float().cpu(), parts.norm(last)[0].float().cpu())
 
 
+def state_scale(data: Sequence[TargetStates]) -> float:
+    """The median root-mean-square of the highest read state over every position: what a new head's join is
+    scaled by (`FeatureHead.from_model(scale=)`)."""
+    hidden = data[0].final_normed.shape[-1]
+    return float(torch.cat([d.reads[:, -hidden:].pow(2).mean(-1).sqrt() for d in data]).median())
+
+
 class _Steps:
     """The cache the unrolled steps' attention writes: every step's keys and values so far, concatenated."""
 
