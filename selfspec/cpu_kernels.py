@@ -97,8 +97,10 @@ def plain_tensor(weight) -> bool:
 
 
 def plain_weight(module: nn.Module) -> bool:
-    """A linear layer whose weight is a `plain_tensor`."""
-    return isinstance(module, nn.Linear) and plain_tensor(module.weight)
+    """A linear layer whose weight (and bias) is a `plain_tensor` held in place (not offloaded to the meta device
+    between calls)."""
+    return (isinstance(module, nn.Linear) and plain_tensor(module.weight)
+            and all(p.device.type != "meta" for p in module.parameters()))
 
 
 def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

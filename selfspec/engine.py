@@ -36,6 +36,7 @@ from .hf_generation import GenerationSettings, inferred_padding, resolve_setting
 from .inputs import check_context, check_prompts
 from .kernel_choice import KernelChoice, check_choice
 from .memory import MemoryReport, memory_report
+from .offload import describe_layers, offloaded_layers
 from .output import Clock, Output
 from .parts import ModelParts, text_config
 from .passes import TargetPasses
@@ -99,11 +100,14 @@ def wrap(
     share text, but a low-precision output may change from call to call.
     """
     adapter = adapter_for(model)
-    return SelfSpecModel(model, adapter=adapter, plan=_as_plan(plan, adapter, model.config), costs=costs, step=step,
-                         kernels=kernels, reproducible=reproducible)
+    offloaded = offloaded_layers(adapter.bind(model).layers)
+    return SelfSpecModel(model, adapter=adapter, plan=_as_plan(plan, adapter, model.config, offloaded), costs=costs,
+                         step=step, kernels=kernels, reproducible=reproducible)
 
 
-def _as_plan(plan, adapter: Adapter, config) -> DraftPlan:
+def _as_plan(plan, adapter: Adapter, config, offloaded: tuple[int, ...] = ()) -> DraftPlan:
+    if plan is None and offloaded:  # draft from resident weights only: every offloaded layer a draft ran is a load
+        return DraftPlan.resident_plan()
     if plan is None:
         return adapter.plan_for(config)
     if isinstance(plan, DraftPlan):
@@ -116,6 +120,18 @@ def _as_plan(plan, adapter: Adapter, config) -> DraftPlan:
         return DraftPlan.load(plan)
     raise ValueError(f"plan must be a DraftPlan, a dict, \"auto\", a path to a plan JSON file or None, "
                      f"got {type(plan).__name__}")
+
+
+def _warn_offloaded_draft(plan: DraftPlan, offloaded: tuple[int, ...], num_layers: int) -> None:
+    """Warn when a plan's draft runs offloaded layers: each draft step then loads their weights."""
+    if not offloaded or not plan.drafts or plan.head is not None and plan.exit_layer is None:
+        return
+    runs = set(range(num_layers)) if plan.auto else set(plan.draft_layers(num_layers))
+    if plan.auto or runs & set(offloaded):
+        warnings.warn(f"the plan's draft runs offloaded layers ({describe_layers(tuple(sorted(runs & set(offloaded))))}): "
+                      f"each draft step loads their weights. Plans that draft from resident weights only: n-grams and "
+                      f"recycled predictions (the default here), a feature head, or an exit before layer "
+                      f"{offloaded[0]} with its head", stacklevel=3)
 
 
 def load_any_head(plan: DraftPlan, *, model, parts):
@@ -144,6 +160,8 @@ class SelfSpecModel:
         self.adapter = adapter
         self.parts: ModelParts = adapter.bind(model)
         self.plan = plan
+        self.offloaded = offloaded_layers(self.parts.layers)  # layers whose weights a hook loads for every call
+        _warn_offloaded_draft(plan, self.offloaded, self.parts.num_layers)
         self.quantization = describe_quantization(model)  # None, or which weights are quantized and how
         self.head: ExitHead | FeatureHead | None = None
         self.vocab: DraftVocab | None = None
@@ -181,8 +199,11 @@ class SelfSpecModel:
         if step == "graphs" and not on_cuda:
             raise ValueError(f"step='graphs' needs the model on a CUDA device; it is on {self.parts.device} "
                              f"(valid here: 'auto', 'eager', 'static')")
+        if self.offloaded and step in ("static", "graphs"):
+            raise ValueError(f"step={step!r} needs every layer's weights in place; layers "
+                             f"{describe_layers(self.offloaded)} are offloaded (valid here: 'auto', 'eager')")
         if step == "auto":
-            return "graphs" if on_cuda else "eager"
+            return "graphs" if on_cuda and not self.offloaded else "eager"
         return step
 
     def _runner(self, capacity: int, *, keep: bool = True) -> LayerRunner:

@@ -125,7 +125,8 @@ def _plain_llama(layer) -> bool:
                  and all(type(n) is llama.LlamaRMSNorm for n in (layer.input_layernorm, layer.post_attention_layernorm))
                  and all(type(m) is nn.Linear for m in linears))
         modules = _PLAIN[layer] = tuple(layer.modules()) if plain else ()
-    return bool(modules) and not (_global_hooks() or any(m._forward_hooks or m._forward_pre_hooks for m in modules))
+    return bool(modules) and not (_global_hooks() or any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook")
+                                                         for m in modules))
 
 
 def _global_hooks() -> bool:

@@ -36,6 +36,7 @@ import torch
 import transformers
 from safetensors import SafetensorError
 
+from .offload import Offload
 from .quant import check_quantize_options, quantize_model, quiet_torchao_import
 
 with quiet_torchao_import():  # transformers' modeling code imports torchao when it is installed
@@ -241,6 +242,9 @@ def load(
     progress: bool = True,
     verify: bool = False,
     quantize: str | None = None,
+    max_memory: dict | int | str | None = None,
+    device_map: dict | str | None = None,
+    offload_folder: str | os.PathLike | None = None,
 ) -> ModelAndTokenizer:
     """Load a causal LM and its tokenizer, ready for inference.
 
@@ -261,13 +265,27 @@ def load(
     `quant` extra installs it), in a layout for `device`; activations stay in
     `dtype` (float32 or bfloat16). The float weights are read and then
     replaced, so loading peaks at the float model's size.
+
+    Offloading (`selfspec.offload`): `max_memory` as a budget ("300MiB" or
+    bytes) keeps the embeddings, LM head and norms in fast memory, then as
+    many layers as fit, in order; the rest go to CPU memory behind a GPU, to
+    disk (`offload_folder`, default under the cache folder) behind the CPU.
+    `device_map`, or `max_memory` as accelerate's dict, pass through to
+    `from_pretrained` as accelerate's conventions say. `wrap` then drafts
+    from resident weights only.
     """
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(os.fspath(name_or_path)).strip():
         raise ValueError(_unknown_name_message(name_or_path))
     torch_dtype = _resolve_dtype(dtype)
     device = torch.device(device)
     check_quantize_options(quantize, dtype=torch_dtype, device=device)  # fails before any loading
-    model, tokenizer = _load_model(name_or_path, torch_dtype, device, cache_dir, progress, verify)
+    offload = None
+    if max_memory is not None or device_map is not None:
+        if quantize is not None:
+            raise ValueError("quantize= and offloading (max_memory=, device_map=) together are not supported: "
+                             "pick one")
+        offload = Offload(device_map=device_map, max_memory=max_memory, offload_folder=offload_folder)
+    model, tokenizer = _load_model(name_or_path, torch_dtype, device, cache_dir, progress, verify, offload)
     if quantize is not None:
         quantize_model(model, quantize, dtype=torch_dtype, device=device)
     return model, tokenizer
@@ -275,7 +293,7 @@ def load(
 
 def _load_model(
     name_or_path: str | os.PathLike, torch_dtype: torch.dtype, device: torch.device,
-    cache_dir: str | os.PathLike | None, progress: bool, verify: bool,
+    cache_dir: str | os.PathLike | None, progress: bool, verify: bool, offload: Offload | None = None,
 ) -> ModelAndTokenizer:
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
 
@@ -287,17 +305,18 @@ def _load_model(
                 stacklevel=3,
             )
         source = known.gguf_source()
-        return _load_gguf_cached(source, cache / known.name, torch_dtype, device, progress, verify)
+        return _load_gguf_cached(source, cache / known.name, torch_dtype, device, progress, verify, offload)
 
     path = Path(name_or_path).expanduser()
     if path.is_dir():
-        return _load_local_folder(path, torch_dtype, device, progress)
+        return _load_local_folder(path, torch_dtype, device, progress, offload)
     if path.is_file():
-        return _load_local_gguf(path, cache, torch_dtype, device, progress, verify)
+        return _load_local_gguf(path, cache, torch_dtype, device, progress, verify, offload)
     raise ValueError(_unknown_name_message(name_or_path))
 
 
-def _load_local_folder(path: Path, dtype: torch.dtype, device: torch.device, progress: bool) -> ModelAndTokenizer:
+def _load_local_folder(path: Path, dtype: torch.dtype, device: torch.device, progress: bool,
+                       offload: Offload | None = None) -> ModelAndTokenizer:
     if not (path / "config.json").is_file():
         raise ValueError(
             f"{path} has no config.json; selfspec loads Hugging Face model folders (config.json plus weights) "
@@ -305,19 +324,20 @@ def _load_local_folder(path: Path, dtype: torch.dtype, device: torch.device, pro
         )
     with _transformers_progress_bars(progress):
         try:
-            return _load_folder(path, dtype, device)
+            return _load_folder(path, dtype, device, offload)
         except SafetensorError as error:  # a truncated or damaged weights file
             raise ValueError(f"could not read the weights in {path} ({error}): a .safetensors file there is "
                              f"truncated or damaged") from None
 
 
 def _load_local_gguf(
-    path: Path, cache: Path, dtype: torch.dtype, device: torch.device, progress: bool, verify: bool
+    path: Path, cache: Path, dtype: torch.dtype, device: torch.device, progress: bool, verify: bool,
+    offload: Offload | None = None,
 ) -> ModelAndTokenizer:
     if path.suffix.lower() != ".gguf":
         raise ValueError(f"{path} is a file but not a .gguf file; pass a .gguf file or a model folder")
     source = _file_source(path.resolve(), display_name=path.stem)
-    return _load_gguf_cached(source, cache / _gguf_cache_key(source), dtype, device, progress, verify)
+    return _load_gguf_cached(source, cache / _gguf_cache_key(source), dtype, device, progress, verify, offload)
 
 
 def _gguf_cache_key(source: GgufSource) -> str:
@@ -328,10 +348,18 @@ def _gguf_cache_key(source: GgufSource) -> str:
 # --------------------------------------------------------------------------- loading a folder
 
 
-def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> ModelAndTokenizer:
-    """A Hugging Face folder -> (model in `dtype` on `device`, eval, sdpa; tokenizer)."""
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
-    model.to(device=device, dtype=dtype)  # also casts modules a model may keep in float32 on load
+def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device,
+                 offload: Offload | None = None) -> ModelAndTokenizer:
+    """A Hugging Face folder -> (model in `dtype` on `device`, eval, sdpa; tokenizer). With `offload`, placed by
+    accelerate as it says (`Offload.placement`): the offloaded weights stay where they were put."""
+    if offload is None:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+        model.to(device=device, dtype=dtype)  # also casts modules a model may keep in float32 on load
+    else:
+        placement = offload.placement(folder, dtype, device, default_folder=default_cache_dir() / "offload" /
+                                      f"{folder.name}-{str(dtype).removeprefix('torch.')}")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
+                                                     **placement)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return model, tokenizer
@@ -358,7 +386,8 @@ def _transformers_progress_bars(enabled: bool) -> Iterator[None]:
 
 
 def _load_gguf_cached(
-    source: GgufSource, folder: Path, dtype: torch.dtype, device: torch.device, progress: bool, verify: bool = False
+    source: GgufSource, folder: Path, dtype: torch.dtype, device: torch.device, progress: bool, verify: bool = False,
+    offload: Offload | None = None,
 ) -> ModelAndTokenizer:
     if not _cache_is_fresh(folder, source):
         _build_cache(source, folder, progress)
@@ -374,7 +403,7 @@ def _load_gguf_cached(
                                  f"delete that folder and check the disk")
     try:
         with _transformers_progress_bars(False):  # reading the cache takes seconds; its bars are noise
-            return _load_folder(folder, dtype, device)
+            return _load_folder(folder, dtype, device, offload)
     except (OSError, ValueError, RuntimeError, SafetensorError) as error:
         raise ValueError(f"could not read the converted cache {folder} ({error}); delete that folder "
                          "and load again to convert it anew") from error

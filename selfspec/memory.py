@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .offload import describe_layers, offloaded_layers
 from .parts import ModelParts, text_config
 
 MIB = 2**20
@@ -36,6 +37,8 @@ class MemoryReport:
     head_bytes: int  # the exit head's layer (0 without one)
     vocab_bytes: int  # the draft vocabulary's gathered rows and ids (0 without one)
     quantization: str | None  # what is quantized, or None
+    offloaded_bytes: int = 0  # of the weights: those held outside fast memory between calls (accelerate's offload)
+    offloaded_layers: tuple[int, ...] = ()  # the decoder layers they belong to
 
     @property
     def total_bytes(self) -> int:
@@ -51,6 +54,9 @@ class MemoryReport:
         if self.vocab_bytes:
             line += f", draft vocabulary {self.vocab_bytes / MIB:.1f} MiB"
         line += f"; {self.total_bytes / MIB:.1f} MiB in all"
+        if self.offloaded_layers:
+            line += (f"; offloaded: layers {describe_layers(self.offloaded_layers)} "
+                     f"({self.offloaded_bytes / MIB:.1f} MiB, read from the offload for every pass)")
         return line + (f" ({self.quantization})" if self.quantization else "")
 
 
@@ -98,4 +104,6 @@ def memory_report(model: nn.Module, parts: ModelParts, *, context: int, head: nn
         head_bytes=0 if head is None else parameter_bytes([head]),
         vocab_bytes=sum(tensor_bytes(t) for t in vocab_tensors if t is not None),
         quantization=quantization,
+        offloaded_bytes=parameter_bytes([parts.layers[i] for i in offloaded_layers(parts.layers)]),
+        offloaded_layers=offloaded_layers(parts.layers),
     )

@@ -203,6 +203,14 @@ class DraftPlan:
                   **overrides}
         return cls(**fields)
 
+    @classmethod
+    def resident_plan(cls, **overrides: Any) -> "DraftPlan":
+        """The default for a model with offloaded layers: n-gram lookup and recycled predictions, which read no
+        layer's weights, as token trees (a wide verify costs about what a narrow one does when loading the
+        offloaded weights dominates), k by measured cost."""
+        fields = {"ngram": 3, "tree": 16, "recycle": True, "draft_length": 8, "name": "resident drafts", **overrides}
+        return cls(**fields)
+
     # -- what the plan means for a model with `num_layers` layers ----------------
 
     @property

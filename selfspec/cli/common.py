@@ -139,6 +139,32 @@ def add_runtime_arguments(parser: argparse.ArgumentParser, *, dtype: str | None 
                              "pip install 'selfspec[quant]'); default: no quantization")
 
 
+def size(value: str) -> str:
+    """A byte size: "300MiB", "1.5GB" or bytes (checked here, parsed by `selfspec.offload.parse_bytes`)."""
+    from ..offload import parse_bytes
+
+    try:
+        parse_bytes(text(value))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text(value)
+
+
+def add_offload_arguments(parser: argparse.ArgumentParser) -> None:
+    """--max-memory and --offload-folder: what `selfspec.load` places outside fast memory."""
+    parser.add_argument("--max-memory", type=size, default=None, metavar="SIZE",
+                        help="a budget of fast memory (such as 300MiB): embeddings, LM head and norms first, then as "
+                             "many layers as fit; the rest offloaded (to disk on the CPU, to CPU memory behind a GPU), "
+                             "and the draft reads resident weights only")
+    parser.add_argument("--offload-folder", default=None, metavar="DIR",
+                        help="where offloaded weights go on disk (default: under the model cache)")
+
+
+def offload_options(args: argparse.Namespace) -> dict:
+    """`selfspec.load` keyword arguments for --max-memory and --offload-folder."""
+    return {"max_memory": args.max_memory, "offload_folder": args.offload_folder} if args.max_memory else {}
+
+
 STEPS = ("auto", "eager", "static", "graphs")
 
 

@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="nucleus sampling (implies sampling; 0: greedy)")
     parser.add_argument("--seed", type=common.integer(0), default=0, help="seed for sampling")
     common.add_runtime_arguments(parser)
+    common.add_offload_arguments(parser)
     common.add_step_argument(parser)
     common.add_reproducible_argument(parser)
     parser.add_argument("--compare", action="store_true",
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"selfspec: loading {args.model} ({args.dtype}{weights}, {args.device})...", file=sys.stderr, flush=True)
     began = time.perf_counter()
     model, tokenizer = selfspec.load(args.model, dtype=args.dtype, device=args.device, verify=args.verify,
-                                     quantize=args.quantize)
+                                     quantize=args.quantize, **common.offload_options(args))
     spec = selfspec.wrap(model, plan=plan, step=args.step, reproducible=args.reproducible)
     print(f"selfspec: loaded in {time.perf_counter() - began:.1f} s; plan: {spec.describe_plan()}", file=sys.stderr,
           flush=True)

@@ -57,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--quantize", choices=common.QUANTIZE_CHOICES, default=None,
                         help="quantize the model's linear layers weight-only after loading (torchao)")
+    common.add_offload_arguments(parser)
     common.add_step_argument(parser)
     common.add_reproducible_argument(parser)
 
@@ -77,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     common.set_threads(args.threads)
     print(f"selfspec: loading {args.model} ({args.dtype}, {args.device})...", file=sys.stderr, flush=True)
     began = time.perf_counter()
-    model, tokenizer = selfspec.load(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize)
+    model, tokenizer = selfspec.load(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize,
+                                     **common.offload_options(args))
     spec = selfspec.wrap(model, plan=plan, step=args.step, reproducible=args.reproducible)
     print(f"selfspec: loaded in {time.perf_counter() - began:.1f} s; plan: {spec.describe_plan()}", file=sys.stderr,
           flush=True)

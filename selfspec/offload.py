@@ -1,0 +1,181 @@
+"""Offloaded models: which layers accelerate keeps out of fast memory, and a placement for a memory budget.
+
+A model dispatched by accelerate (a `device_map` with "cpu" or "disk"
+entries) keeps an offloaded module's weights on the meta device between
+calls; the module's hook loads them for each call. The engine calls such a
+layer through its module (`layer_call.py` checks for the hook), so the hook
+runs; this module says which layers those are, so that the default plan
+drafts only from resident weights and a plan that drafts through offloaded
+layers is warned about.
+
+`budget_device_map` places a model for a byte budget: embeddings, LM head
+and final norm first, then as many layers as fit, in order; the rest go to
+the offload tier ("cpu" behind a GPU, "disk" behind the CPU).
+
+This module reads module placement; it does not load weights or decide drafts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(value: str | int) -> int:
+    """Bytes from an int or a size such as "300MiB", "1.5GB", "512MB" (0 allowed)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"a size must not be negative, got {value}")
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"{value!r} is not a size (valid: bytes, or a number with KB, MB, GB, KiB, MiB or GiB, "
+                         f"such as '300MiB')")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _size(n: int) -> str:
+    return f"{n} bytes ({n / 2**20:.1f} MiB)"
+
+
+def is_offloaded(module: nn.Module) -> bool:
+    """Whether some weight of `module` is held outside it between calls (on the meta device, loaded by a hook)."""
+    return any(p.device.type == "meta" for p in module.parameters())
+
+
+def offloaded_layers(layers) -> tuple[int, ...]:
+    """Indices of the decoder layers whose weights are offloaded."""
+    return tuple(i for i, layer in enumerate(layers) if is_offloaded(layer))
+
+
+def describe_layers(indices: tuple[int, ...]) -> str:
+    """"15-29", or "3, 5-7": runs of consecutive indices."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a budget puts a model: a device map for `from_pretrained`, and its resident and offloaded bytes."""
+
+    device_map: dict[str, str]
+    resident_bytes: int
+    offloaded_bytes: int
+    offloaded_layers: tuple[int, ...]
+
+
+def budget_device_map(sizes: dict[str, int], layer_names: list[str], *, budget: int, fast: str,
+                      slow: str) -> Placement:
+    """Place modules (their byte `sizes`, by name) in `budget` bytes of `fast` memory, the rest on `slow`.
+
+    Every module that is not a layer goes first (embeddings, LM head, norms: the draft reads them), then
+    layers in order while they fit. A budget short of the non-layer modules is refused, naming the bytes.
+    """
+    others = {name: size for name, size in sizes.items() if name not in layer_names}
+    needed = sum(others.values())
+    if needed > budget:
+        raise ValueError(f"a memory budget of {_size(budget)} is under the {_size(needed)} that must stay resident "
+                         f"for the draft (the embeddings, LM head and norms)")
+    device_map = {name: fast for name in others}
+    used, offloaded = needed, []
+    for i, name in enumerate(layer_names):
+        if not offloaded and used + sizes[name] <= budget:
+            device_map[name] = fast
+            used += sizes[name]
+        else:
+            device_map[name] = slow
+            offloaded.append(i)
+    return Placement(device_map, used, sum(sizes[layer_names[i]] for i in offloaded), tuple(offloaded))
+
+
+def module_sizes(model: nn.Module, names: list[str]) -> dict[str, int]:
+    """Bytes of each named module's parameters and buffers (a tied weight counts once, with its first owner)."""
+    seen: set[int] = set()
+    sizes = {}
+    for name in names:
+        module = model.get_submodule(name)
+        total = 0
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                total += tensor.numel() * tensor.element_size()
+        sizes[name] = total
+    return sizes
+
+
+def layers_path(model: nn.Module) -> str:
+    """The name of the decoder layers' list: the `nn.ModuleList` that holds the most parameters."""
+    lists = [(sum(p.numel() for p in m.parameters()), name) for name, m in model.named_modules()
+             if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__} has no list of layers to place")
+    return max(lists)[1]
+
+
+def top_level_names(model: nn.Module, layers_path: str) -> tuple[list[str], list[str]]:
+    """(every module to place, the layers among them): the layers under `layers_path` one by one, and each other
+    child of the layers' parents that holds weights, up to the model."""
+    layer_names = [f"{layers_path}.{i}" for i in range(len(model.get_submodule(layers_path)))]
+    names: list[str] = []
+    path = layers_path.split(".")
+    for depth in range(len(path)):
+        parent = ".".join(path[:depth])
+        for child, module in (model.get_submodule(parent) if parent else model).named_children():
+            full = f"{parent}.{child}" if parent else child
+            if full == ".".join(path[: depth + 1]):
+                continue
+            if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
+                names.append(full)
+    return names + layer_names, layer_names
+
+
+def device_of(tier: str) -> torch.device:
+    return torch.device("cpu" if tier in ("cpu", "disk") else tier)
+
+
+@dataclass(frozen=True)
+class Offload:
+    """What `selfspec.load` was asked to place: accelerate's `device_map` / `max_memory` (a dict) passed through,
+    or a budget alone (`max_memory` as bytes or "300MiB"), placed by `budget_device_map`."""
+
+    device_map: dict | str | None = None
+    max_memory: dict | int | str | None = None
+    offload_folder: str | os.PathLike | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_memory is not None and not isinstance(self.max_memory, dict):
+            parse_bytes(self.max_memory)  # a bad size fails before any loading
+
+    def placement(self, folder, dtype: torch.dtype, device: torch.device, default_folder) -> dict:
+        """Keyword arguments for `from_pretrained`: a device map, the offload folder, accelerate's max_memory."""
+        offload_folder = str(self.offload_folder or default_folder)
+        if self.device_map is not None or isinstance(self.max_memory, dict):
+            kwargs = {"device_map": self.device_map or "auto", "offload_folder": offload_folder}
+            if self.max_memory is not None:
+                kwargs["max_memory"] = self.max_memory
+            return kwargs
+        fast, slow = ("cpu", "disk") if device.type == "cpu" else (str(device), "cpu")
+        placed = place_for_budget(folder, dtype, parse_bytes(self.max_memory), fast=fast, slow=slow)
+        return {"device_map": placed.device_map, "offload_folder": offload_folder}
+
+
+def place_for_budget(folder, dtype: torch.dtype, budget: int, *, fast: str, slow: str) -> Placement:
+    """`budget_device_map` for the model in `folder`, sized on an empty (meta) copy built from its config."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with init_empty_weights():
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=dtype)
+    names, layer_names = top_level_names(skeleton, layers_path(skeleton))
+    return budget_device_map(module_sizes(skeleton, names), layer_names, budget=budget, fast=fast, slow=slow)

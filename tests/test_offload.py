@@ -1,0 +1,146 @@
+"""Offloaded models (`selfspec.offload`): wrap a model accelerate dispatched with layers on disk, and get the
+target's output; drafts read resident weights only; `load(max_memory=)` places by a budget; clear errors."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from accelerate import dispatch_model
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+import selfspec
+from selfspec.cli import main
+from selfspec.offload import budget_device_map, describe_layers, layers_path, parse_bytes, top_level_names
+from selfspec.registry import adapter_for
+from selfspec.testing import TINY_CONFIGS, random_prompt, tiny_model
+
+WORDS = ["[UNK]", "[PAD]"] + [f"w{i}" for i in range(62)]
+
+
+def offloaded(model, tmp_path: Path, first_offloaded: int):
+    """A copy of `model` (tiny models are shared between tests) dispatched by accelerate: layers from
+    `first_offloaded` on disk, the rest in CPU memory."""
+    model = copy.deepcopy(model)
+    layers = adapter_for(model).bind(model).layers
+    path = layers_path(model)
+    assert model.get_submodule(path) is layers
+    names, layer_names = top_level_names(model, path)
+    device_map = {name: "cpu" for name in names}
+    device_map.update({name: "disk" for name in layer_names[first_offloaded:]})
+    return dispatch_model(model, device_map, offload_dir=str(tmp_path / "offload"))
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
+def test_an_offloaded_model_gives_the_targets_greedy_output(arch, tmp_path):
+    model = tiny_model(arch, torch.float64)
+    prompt = random_prompt(10, seed=3)
+    expected = model.generate(prompt, do_sample=False, max_new_tokens=24)
+    n = adapter_for(model).bind(model).num_layers
+    model = offloaded(model, tmp_path, n // 2)
+    spec = selfspec.wrap(model)
+    assert spec.offloaded == tuple(range(n // 2, n))
+    assert spec.plan.layers is None and not spec.plan.auto and spec.plan.ngram and spec.plan.recycle  # resident drafts
+    assert torch.equal(spec.generate(prompt, max_new_tokens=24), expected)
+    with pytest.warns(UserWarning, match=rf"draft runs offloaded layers \({describe_layers(spec.offloaded)}\)"):
+        layered = selfspec.wrap(model, plan=selfspec.DraftPlan(layers=list(range(n)), draft_length=3,
+                                                               policy="fixed"))
+    assert torch.equal(layered.generate(prompt, max_new_tokens=24), expected)
+
+
+def test_sampling_from_an_offloaded_model_is_the_resident_models_sample(tmp_path):
+    """The same seed gives the same sample as the resident model wrapped with the same plan (whose sampling the
+    statistical tests cover): offloading changes where weights wait, not what is computed."""
+    model = tiny_model("llama", torch.float64)
+    prompt = random_prompt(8, seed=1)
+    plan = selfspec.DraftPlan.resident_plan()
+    torch.manual_seed(7)
+    resident = selfspec.wrap(model, plan=plan).generate(prompt, do_sample=True, temperature=1.3, max_new_tokens=30)
+    spec = selfspec.wrap(offloaded(model, tmp_path, 2), plan=plan)
+    torch.manual_seed(7)
+    assert torch.equal(spec.generate(prompt, do_sample=True, temperature=1.3, max_new_tokens=30), resident)
+
+
+def test_offloaded_layers_are_reported_and_static_steps_refused(tmp_path):
+    model = offloaded(tiny_model("llama", torch.float32), tmp_path, 3)
+    spec = selfspec.wrap(model)
+    line = spec.memory(context=64).summary()
+    assert "offloaded: layers 3-5" in line, line
+    assert spec.step == "eager"
+    with pytest.raises(ValueError, match=r"step='static' needs every layer's weights in place; layers 3-5"):
+        selfspec.wrap(model, step="static")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a resident model: no warning for a layer plan
+        selfspec.wrap(tiny_model("llama", torch.float32), plan=selfspec.DraftPlan(layers=[0, 1], draft_length=2))
+
+
+def test_a_budget_places_embeddings_and_head_first_then_layers_in_order():
+    sizes = {"embed": 100, "lm_head": 100, "norm": 4, "l.0": 50, "l.1": 50, "l.2": 50}
+    layers = ["l.0", "l.1", "l.2"]
+    placed = budget_device_map(sizes, layers, budget=320, fast="cpu", slow="disk")
+    assert placed.device_map == {"embed": "cpu", "lm_head": "cpu", "norm": "cpu", "l.0": "cpu", "l.1": "cpu",
+                                 "l.2": "disk"}
+    assert placed.offloaded_layers == (2,) and placed.resident_bytes == 304 and placed.offloaded_bytes == 50
+    assert budget_device_map(sizes, layers, budget=10**6, fast="cuda:0", slow="cpu").offloaded_layers == ()
+    with pytest.raises(ValueError, match=r"budget of 203 bytes .* under the 204 bytes .* must stay resident"):
+        budget_device_map(sizes, layers, budget=203, fast="cpu", slow="disk")
+
+
+def test_sizes_parse_and_bad_ones_are_refused():
+    assert parse_bytes("300MiB") == 300 * 2**20 and parse_bytes("1.5GB") == 1_500_000_000
+    assert parse_bytes(4096) == 4096 and parse_bytes("0") == 0
+    for bad in ("lots", "12 parsecs", "-3MB", -1):
+        with pytest.raises(ValueError, match="size|negative"):
+            parse_bytes(bad)
+    assert describe_layers((3, 5, 6, 7)) == "3, 5-7"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """A random 4-layer Llama with a word-level tokenizer."""
+    path = tmp_path_factory.mktemp("tiny-offload")
+    config = transformers.LlamaConfig(
+        vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.3,
+        pad_token_id=1, bos_token_id=None, eos_token_id=None,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]",
+                                         pad_token="[PAD]").save_pretrained(path)
+    return path
+
+
+def test_load_with_a_budget_offloads_the_last_layers_and_keeps_the_output(folder, tmp_path):
+    reference, _ = selfspec.load(str(folder))
+    layer = sum(p.numel() * p.element_size() for p in reference.model.layers[0].parameters())
+    whole = sum(p.numel() * p.element_size() for p in reference.parameters())
+    budget = whole - 4 * layer + 2 * layer + 1024  # everything but the layers, two layers, and the buffers
+    model, _ = selfspec.load(str(folder), max_memory=budget, offload_folder=tmp_path / "off")
+    assert model.hf_device_map["model.layers.1"] == "cpu" and model.hf_device_map["model.layers.3"] == "disk"
+    spec = selfspec.wrap(model)
+    assert spec.offloaded and spec.offloaded[-1] == 3
+    prompt = torch.tensor([[2, 3, 4, 5, 6, 7, 2, 3]])
+    assert torch.equal(spec.generate(prompt, max_new_tokens=16),
+                       reference.generate(prompt, do_sample=False, max_new_tokens=16))
+    with pytest.raises(ValueError, match="must stay resident"):
+        selfspec.load(str(folder), max_memory=1024)
+    with pytest.raises(ValueError, match="not a size"):
+        selfspec.load(str(folder), max_memory="a lot")
+    with pytest.raises(ValueError, match="quantize= and offloading"):
+        selfspec.load(str(folder), max_memory="1GiB", quantize="int8")
+
+
+def test_generate_cli_takes_a_memory_budget(folder, tmp_path, capsys):
+    assert main(["generate", "--model", str(folder), "--max-memory", "20KiB", "--offload-folder",
+                 str(tmp_path / "off"), "--max-new-tokens", "6", "w1 w2 w3"]) == 0
+    out = capsys.readouterr().out
+    assert "offloaded: layers" in out, out
+    code = main(["generate", "--model", str(folder), "--max-memory", "lots", "w1"])
+    assert code == 2 and "--max-memory" in capsys.readouterr().err
