@@ -16,6 +16,7 @@ import os
 import platform
 import shlex
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import asdict
@@ -26,6 +27,7 @@ import torch
 import transformers
 
 import selfspec
+from selfspec.offload import offload_layers
 from selfspec.costs import cpu_capability, cpu_model
 from benchmarks import report
 from benchmarks.measure import Row, measure
@@ -118,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     for variant in args.variant_list:  # the same checkpoint each time: one tokenizer serves all
         models[variant.name], tokenizer = selfspec.load(args.model, dtype=variant.dtype, device=device,
                                                         quantize=variant.quantize)
+        if variant.offload_from is not None:  # the same weights, layers N.. on disk behind accelerate's hooks
+            folder = tempfile.mkdtemp(prefix="selfspec-offload-")
+            models[variant.name] = offload_layers(models[variant.name], variant.offload_from, folder=folder)
     model = models[args.variant_list[0].name]  # the reference: plan, early-exit sweep and header come from it
     chat = has_chat_template(tokenizer)
     categories = args.categories.split(",") if args.categories else None

@@ -4,7 +4,8 @@
 loads the model once per variant (`selfspec.load(..., dtype=DTYPE,
 quantize=int8|int4)`) and runs every method on every variant, all interleaved
 in one loop (`run.run_interleaved`). A method on a variant is named
-`VARIANT/METHOD` (e.g. `bfloat16+int4/selfspec-plan`); each variant's outputs
+`VARIANT/METHOD` (e.g. `bfloat16+int4/selfspec-plan`); `+offloadN` puts
+layers N.. on disk (accelerate's dispatch, `selfspec.offload`). Each variant's outputs
 are compared with its own `model.generate`, speeds with the first variant's
 `model.generate` (the reference) and with the variant's own.
 
@@ -28,10 +29,12 @@ class Variant:
 
     dtype: str
     quantize: str | None = None
+    offload_from: int | None = None  # layers from this one on are offloaded to disk (`selfspec.offload`)
 
     @property
     def name(self) -> str:
-        return self.dtype + (f"+{self.quantize}" if self.quantize else "")
+        return (self.dtype + (f"+{self.quantize}" if self.quantize else "")
+                + (f"+offload{self.offload_from}" if self.offload_from is not None else ""))
 
 
 def parse_variants(text: str) -> list[Variant]:
@@ -40,13 +43,20 @@ def parse_variants(text: str) -> list[Variant]:
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
-        dtype, plus, quantize = item.partition("+")
+        dtype, *extras = item.split("+")
         if dtype not in DTYPES:
             raise ValueError(f"variant {item!r}: dtype {dtype!r} unknown (valid: {', '.join(DTYPES)})")
-        if plus and quantize not in QUANTIZE_CHOICES:
-            valid = ", ".join(QUANTIZE_CHOICES)
-            raise ValueError(f"variant {item!r}: quantization {quantize!r} unknown (valid: {valid})")
-        variant = Variant(dtype, quantize or None)
+        quantize, offload_from = None, None
+        for extra in extras:
+            if extra.startswith("offload") and extra[7:].isdigit() and offload_from is None:
+                offload_from = int(extra[7:])
+            elif extra in QUANTIZE_CHOICES and quantize is None:
+                quantize = extra
+            else:
+                valid = ", ".join(QUANTIZE_CHOICES)
+                raise ValueError(f"variant {item!r}: {extra!r} unknown (valid: one quantization of {valid}, "
+                                 f"and offloadN: layers N.. on disk)")
+        variant = Variant(dtype, quantize, offload_from)
         if variant in variants:
             raise ValueError(f"variant {item!r} is listed twice")
         variants.append(variant)

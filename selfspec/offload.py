@@ -140,6 +140,20 @@ def top_level_names(model: nn.Module, layers_path: str) -> tuple[list[str], list
     return names + layer_names, layer_names
 
 
+def offload_layers(model: nn.Module, first: int, *, folder: str | os.PathLike, slow: str = "disk") -> nn.Module:
+    """`model` dispatched by accelerate with its layers from `first` on `slow` ("disk" into `folder`, or "cpu"
+    behind a GPU) and everything else where it is; what a user would do with `accelerate.dispatch_model`."""
+    from accelerate import dispatch_model
+
+    names, layer_names = top_level_names(model, layers_path(model))
+    if not 0 <= first <= len(layer_names):
+        raise ValueError(f"first offloaded layer {first} out of range (valid: 0..{len(layer_names)})")
+    here = str(next(model.parameters()).device)
+    device_map = {name: here for name in names}
+    device_map.update({name: slow for name in layer_names[first:]})
+    return dispatch_model(model, device_map, offload_dir=str(folder))
+
+
 def device_of(tier: str) -> torch.device:
     return torch.device("cpu" if tier in ("cpu", "disk") else tier)
 

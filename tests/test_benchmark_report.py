@@ -185,12 +185,17 @@ def test_variants_parse_in_order_with_their_quantization():
     got = parse_variants("bfloat16, bfloat16+int8,bfloat16+int4,float32,")
     assert [v.name for v in got] == ["bfloat16", "bfloat16+int8", "bfloat16+int4", "float32"]
     assert got[1] == Variant("bfloat16", "int8") and got[0].quantize is None
+    offloaded = parse_variants("bfloat16+offload15,bfloat16+int8+offload3")
+    assert offloaded == [Variant("bfloat16", None, 15), Variant("bfloat16", "int8", 3)]
+    assert [v.name for v in offloaded] == ["bfloat16+offload15", "bfloat16+int8+offload3"]
 
 
 @pytest.mark.parametrize("text, message", [
     ("bf16", "dtype 'bf16' unknown"),
-    ("bfloat16+int3", "quantization 'int3' unknown"),
-    ("bfloat16+", "quantization '' unknown"),
+    ("bfloat16+int3", "'int3' unknown"),
+    ("bfloat16+", "'' unknown"),
+    ("bfloat16+offloadx", "'offloadx' unknown"),
+    ("bfloat16+int8+int4", "'int4' unknown"),
     ("bfloat16,bfloat16", "listed twice"),
     (" , ", "no variant"),
 ])

@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from accelerate import dispatch_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 import selfspec
 from selfspec.cli import main
-from selfspec.offload import budget_device_map, describe_layers, layers_path, parse_bytes, top_level_names
+from selfspec.offload import budget_device_map, describe_layers, layers_path, offload_layers, parse_bytes
 from selfspec.registry import adapter_for
 from selfspec.testing import TINY_CONFIGS, random_prompt, tiny_model
 
@@ -26,13 +25,8 @@ def offloaded(model, tmp_path: Path, first_offloaded: int):
     """A copy of `model` (tiny models are shared between tests) dispatched by accelerate: layers from
     `first_offloaded` on disk, the rest in CPU memory."""
     model = copy.deepcopy(model)
-    layers = adapter_for(model).bind(model).layers
-    path = layers_path(model)
-    assert model.get_submodule(path) is layers
-    names, layer_names = top_level_names(model, path)
-    device_map = {name: "cpu" for name in names}
-    device_map.update({name: "disk" for name in layer_names[first_offloaded:]})
-    return dispatch_model(model, device_map, offload_dir=str(tmp_path / "offload"))
+    assert model.get_submodule(layers_path(model)) is adapter_for(model).bind(model).layers
+    return offload_layers(model, first_offloaded, folder=tmp_path / "offload")
 
 
 @pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
