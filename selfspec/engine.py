@@ -127,8 +127,9 @@ def _warn_offloaded_draft(plan: DraftPlan, offloaded: tuple[int, ...], num_layer
     if not offloaded or not plan.drafts or plan.head is not None and plan.exit_layer is None:
         return
     runs = set(range(num_layers)) if plan.auto else set(plan.draft_layers(num_layers))
-    if plan.auto or runs & set(offloaded):
-        warnings.warn(f"the plan's draft runs offloaded layers ({describe_layers(tuple(sorted(runs & set(offloaded))))}): "
+    through = tuple(sorted(runs & set(offloaded)))
+    if through:
+        warnings.warn(f"the plan's draft runs offloaded layers ({describe_layers(through)}): "
                       f"each draft step loads their weights. Plans that draft from resident weights only: n-grams and "
                       f"recycled predictions (the default here), a feature head, or an exit before layer "
                       f"{offloaded[0]} with its head", stacklevel=3)

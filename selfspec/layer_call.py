@@ -109,7 +109,8 @@ _PLAIN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> its 
 
 
 def _plain_llama(layer) -> bool:
-    """Whether `layer` is transformers' Llama layer as it comes: its classes, plain linears, and no hooks now.
+    """Whether `layer` is transformers' Llama layer as it comes: its classes, plain linears, and no hooks now
+    (torch's, or accelerate's, which loads offloaded weights for the call: such a layer runs its own forward).
 
     The classes are checked once per layer; hooks at every call (one may be registered at any time).
     """
@@ -125,8 +126,8 @@ def _plain_llama(layer) -> bool:
                  and all(type(n) is llama.LlamaRMSNorm for n in (layer.input_layernorm, layer.post_attention_layernorm))
                  and all(type(m) is nn.Linear for m in linears))
         modules = _PLAIN[layer] = tuple(layer.modules()) if plain else ()
-    return bool(modules) and not (_global_hooks() or any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook")
-                                                         for m in modules))
+    hooked = any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in modules)  # accelerate's
+    return bool(modules) and not (_global_hooks() or hooked)
 
 
 def _global_hooks() -> bool:
