@@ -44,6 +44,8 @@ from .scoring import Scorer
 from .stats import BatchStats
 from .vocab import DraftVocab
 
+GROW_BLOCK = 256  # new-token positions a row is given room for at a time (the cache grows as rows need more)
+
 __all__ = ["BATCH_MARGIN", "BatchRow", "BatchRunner", "BatchSession"]
 
 
@@ -119,7 +121,9 @@ class BatchSession:
         settings = self.settings_for(prompt, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                                      generation_config=generation_config, tokenizer=tokenizer, kwargs=kwargs)
         self.check_context(len(prompt), settings.max_new_tokens)
-        capacity = len(prompt) + settings.max_new_tokens + self.max_draft + 1
+        # Room for the prompt and a block of new tokens, not for max_new_tokens (often the whole context, in a
+        # server): rounds grow the cache as rows near its end (doubling, so it copies rarely).
+        capacity = len(prompt) + min(settings.max_new_tokens, GROW_BLOCK) + self.max_draft + 1
         if self.runner is None:
             self.runner = BatchRunner(self.parts, capacity=capacity, head=self.head)
             if self.layers is not None:
@@ -152,6 +156,7 @@ class BatchSession:
         clock = Clock(self.parts.device)
         n = len(self.rows)
         batch = self._round()
+        self.runner.grow(max(batch.starts) + self.max_draft + 1)  # the round's drafts and verify fit
         # 1. draft: each row's proposal, from the first source that has one; 2. choose the batch's cut k
         for source in self.sources if any(batch.budgets) else ():
             source.propose(batch)

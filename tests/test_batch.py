@@ -170,6 +170,26 @@ def test_cache_grows_for_a_longer_row():
     assert long.new_tokens == alone(model, repetitive(20, 2), max_new_tokens=60)
 
 
+def test_the_cache_grows_in_blocks_as_rows_fill_it(monkeypatch):
+    """A row is given room for a block of new tokens, not for max_new_tokens (a server's default is the whole
+    context): rounds grow the cache as rows near its end, and every row still equals its prompt alone."""
+    monkeypatch.setattr(selfspec.batch, "GROW_BLOCK", 4)
+    model = tiny_model("gemma3_text", torch.float64)  # sliding windows: the rotary tables grow too
+    session = selfspec.wrap(model, plan=NGRAM_LAYERS, costs="flat").batch_session()
+    prompts = [repetitive(9, 1), repetitive(5, 2)]
+    rows = [session.add(p, max_new_tokens=200, do_sample=False) for p in prompts]
+    first = session.runner.cache.capacity
+    assert first <= 9 + 4 + session.max_draft + 1  # a block, not 200 positions
+    capacities = {first}
+    while len(session):
+        session.step()
+        if session.runner is not None:
+            capacities.add(session.runner.cache.capacity)
+    assert len(capacities) > 2 and max(capacities) >= 9 + 200  # it grew, several times, to what the rows needed
+    for prompt, row in zip(prompts, rows):
+        assert row.new_tokens == alone(model, prompt, max_new_tokens=200)
+
+
 def test_cost_model_decides_per_batch():
     model = tiny_model("llama", torch.float64)
     prompts = [repetitive(18, seed=s) for s in range(3)]
