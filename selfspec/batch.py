@@ -39,6 +39,7 @@ from .hf_generation import GenerationSettings
 from .output import Clock, Output
 from .parts import ModelParts
 from .plan import DraftPlan
+from .prefix_cache import PrefixCache
 from .policy import AcceptanceEstimates, Calibration
 from .scoring import Scorer
 from .stats import BatchStats
@@ -62,8 +63,11 @@ class BatchSession:
                  costs_for: Callable[[int, bool], RuntimeCosts], check_context: Callable[[int, int], None],
                  linear: LinearKernels = NO_CHANGE, attention: AttentionKernels = NO_ATTENTION_CHANGE,
                  draft_layers: tuple[int, ...] = (), head: ExitHead | FeatureHead | None = None,
-                 vocab: DraftVocab | None = None) -> None:
+                 vocab: DraftVocab | None = None, prefix: PrefixCache | None = None) -> None:
         self.parts = parts
+        # Rows start from a stored prefix and are stored when they finish (not with a feature head: its first
+        # entry after a reused prefix would need the target's state there, which the store does not keep).
+        self.prefix = prefix if not isinstance(head, FeatureHead) or not draft_layers else None
         # How the linear layers and the attention run here (`cpu_kernels.py`), for every pass of the session.
         self.linear, self.attention = linear, attention
         self.head = head if draft_layers else None
@@ -135,8 +139,12 @@ class BatchSession:
             streamer.put(torch.tensor(prompt))
         clock = Clock(self.parts.device)
         index = self.runner.cache.add_row()
-        ids = torch.tensor([prompt], device=self.runner.positions.device)  # [1, prompt]
-        logits = self.runner.forward_rows(ids, [0], slice(index, index + 1), last=True, head=self.head)[:, -1]
+        reused, entries = self.prefix.lookup(prompt) if self.prefix is not None else (0, None)
+        if reused:
+            self.runner.cache.restore_row(index, entries, reused)
+            row.stats.cached_tokens = reused
+        ids = torch.tensor([prompt[reused:]], device=self.runner.positions.device)  # [1, prompt - reused]
+        logits = self.runner.forward_rows(ids, [reused], slice(index, index + 1), last=True, head=self.head)[:, -1]
         if isinstance(self.head, FeatureHead):
             row.feature = self.runner.fused[:, -1:]  # [1, 1, hidden]
         scores = row.scorer.scores(logits, row.out.tokens, len(row.out.tokens))  # [1, vocab]
@@ -235,6 +243,9 @@ class BatchSession:
             last = self.rows.pop()
             if last is not row:
                 self.rows[index] = last
+            if self.prefix is not None:  # what the row's cache holds, for a later prompt that starts alike
+                length = self.runner.cache.lengths[index]
+                self.prefix.add(row.out.tokens[:length], self.runner.cache.row_entries(index))
             self.runner.cache.remove_row(index)
             if row.out.streamer is not None:
                 row.out.streamer.end()

@@ -76,6 +76,23 @@ class BatchedKVCache:
         self.lengths.append(0)
         return self.count - 1
 
+    def restore_row(self, row: int, entries: list, length: int) -> None:
+        """Row `row` holds positions 0..length-1 from `entries` (per layer: keys and values `[kv_heads, >=length,
+        head_dim]`, or None for a layer it leaves unwritten; the prefix cache's)."""
+        for buffers, side in ((self.keys, 0), (self.values, 1)):
+            for i, pair in enumerate(entries):
+                if pair is None or i >= len(buffers):
+                    continue
+                if buffers[i] is None:
+                    buffers[i] = _zeros_like_rows(pair[side][None], self.row_capacity, self.capacity)
+                buffers[i][row, :, :length].copy_(pair[side][:, :length])
+        self.lengths[row] = length
+
+    def row_entries(self, row: int) -> list:
+        """Row `row`'s valid entries, per layer keys and values `[kv_heads, length, head_dim]` (views), or None."""
+        n = self.lengths[row]
+        return [None if k is None else (k[row, :, :n], v[row, :, :n]) for k, v in zip(self.keys, self.values)]
+
     def remove_row(self, row: int) -> None:
         """Drop `row`: the last active row moves into its place (its valid entries only)."""
         last = self.count - 1

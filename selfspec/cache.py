@@ -77,6 +77,24 @@ class SharedKVCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.lengths[layer_idx]
 
+    def restore(self, entries: list, length: int) -> None:
+        """Hold positions 0..length-1 from `entries` (per layer: keys and values `[kv_heads, >=length, head_dim]`,
+        or None for a layer left empty; the prefix cache's), for a batch of one."""
+        for i, pair in enumerate(entries[: len(self.lengths)]):
+            if pair is None:
+                continue
+            for buffers, states in ((self.keys, pair[0]), (self.values, pair[1])):
+                if buffers[i] is None:
+                    buffers[i] = _buffer_like(states[None], self.capacity)
+                buffers[i][0, :, :length].copy_(states[:, :length])
+            self.lengths[i] = length
+
+    def held(self, layers: int) -> tuple[int, list]:
+        """(n, entries): the positions every one of the first `layers` layers holds, and their views (per
+        layer `[kv_heads, n, head_dim]` of row 0, or None for a layer never written)."""
+        n = min(self.lengths[:layers])
+        return n, [None if k is None else (k[0, :, :n], v[0, :, :n]) for k, v in zip(self.keys, self.values)]
+
     def entries(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The valid keys and values of one layer, `[batch, kv_heads, length, head_dim]` views."""
         n = self.lengths[layer_idx]

@@ -36,11 +36,12 @@ from .hf_generation import GenerationSettings, inferred_padding, resolve_setting
 from .inputs import check_context, check_prompts
 from .kernel_choice import KernelChoice, check_choice
 from .memory import MemoryReport, memory_report
-from .offload import describe_layers, offloaded_layers
+from .offload import describe_layers, offloaded_layers, parse_bytes
 from .output import Clock, Output
 from .parts import ModelParts, text_config
 from .passes import TargetPasses
 from .plan import DraftPlan
+from .prefix_cache import PrefixCache
 from .policy import AcceptanceEstimates, DepthCalibration, DraftPolicy, LayerChoosingPolicy, RecycleLedger, policy_for
 from .quant import describe_quantization
 from .recycle import SuccessorTable, chain_contexts
@@ -65,6 +66,7 @@ def wrap(
     step: str = "auto",
     kernels: str = "measured",
     reproducible: bool = True,
+    prefix_cache: int | str | None = None,
 ) -> "SelfSpecModel":
     """Wrap a Hugging Face causal LM for self-speculative generation. The model is not modified.
 
@@ -98,11 +100,15 @@ def wrap(
     the recycle ledger across greedy calls, and pause a fixed plan's drafting
     by timing; faster where the measured table misprices passes or the calls
     share text, but a low-precision output may change from call to call.
+    `prefix_cache` (a size such as "512MiB", or bytes; None or 0: off): keep
+    the KV of finished generations, least recently used out first, so a prompt
+    that starts as an earlier sequence did (a chat's next turn) prefills only
+    the rest (`prefix_cache.py`; `last_stats.cached_tokens` says how much).
     """
     adapter = adapter_for(model)
     offloaded = offloaded_layers(adapter.bind(model).layers)
     return SelfSpecModel(model, adapter=adapter, plan=_as_plan(plan, adapter, model.config, offloaded), costs=costs,
-                         step=step, kernels=kernels, reproducible=reproducible)
+                         step=step, kernels=kernels, reproducible=reproducible, prefix_cache=prefix_cache)
 
 
 def _as_plan(plan, adapter: Adapter, config, offloaded: tuple[int, ...] = ()) -> DraftPlan:
@@ -151,9 +157,11 @@ class SelfSpecModel:
 
     def __init__(
         self, model, *, adapter: Adapter, plan: DraftPlan, costs: PassCosts | str | None = None, step: str = "auto",
-        kernels: str = "measured", reproducible: bool = True,
+        kernels: str = "measured", reproducible: bool = True, prefix_cache: int | str | None = None,
     ) -> None:
         check_choice(kernels)
+        budget = parse_bytes(prefix_cache) if prefix_cache is not None else 0
+        self.prefix = PrefixCache(budget) if budget else None  # KV of earlier sequences (`prefix_cache.py`)
         if not isinstance(reproducible, bool):
             raise ValueError(f"reproducible must be True or False, got {reproducible!r}")
         self.reproducible = reproducible  # decide from the tokens and a fixed table alone (`wrap`)
@@ -413,6 +421,11 @@ class SelfSpecModel:
         sequences = torch.tensor([tokens], dtype=torch.long, device=input_ids.device)  # int64, as transformers
         return settings.output(sequences)  # the tensor, or an object with .sequences (return_dict_in_generate)
 
+    def _reuses_prefixes(self) -> bool:
+        """Whether one sequence's generation uses the prefix cache: the eager step, no feature head (whose
+        first entry after a stored prefix would need the target's state there)."""
+        return self.prefix is not None and self.step == "eager" and not isinstance(self.head, FeatureHead)
+
     def batch_session(self) -> BatchSession:
         """Sequences that decode together, joining (`add`) and leaving at round boundaries (`batch.py`).
 
@@ -428,7 +441,7 @@ class SelfSpecModel:
         return BatchSession(self.parts, self.plan, settings_for=self._row_settings, costs_for=self._batch_costs,
                             check_context=self._check_context, linear=self.linear_kernels(),
                             attention=self.attention_kernels(), draft_layers=self._batch_draft_layers(),
-                            head=self.head, vocab=self.vocab)
+                            head=self.head, vocab=self.vocab, prefix=self.prefix)
 
     def _row_settings(self, prompt: list[int], *, logits_processor, stopping_criteria, kwargs,
                       generation_config=None, tokenizer=None) -> GenerationSettings:
@@ -516,8 +529,15 @@ class SelfSpecModel:
         capture_before = runner.capture_seconds if isinstance(runner, GraphedRunner) else 0.0
         clock = Clock(self.parts.device)
 
-        # Prefill: the prompt through every layer; its last row gives the first new token.
-        first_scores = scorer.scores(self.passes.prefill(runner, prompt), out.tokens, len(out.tokens))
+        # Prefill: the prompt through every layer (from a stored prefix, if one starts it); its last row gives
+        # the first new token.
+        reused = 0
+        if self._reuses_prefixes():
+            reused, entries = self.prefix.lookup(prompt)
+            if reused:
+                runner.cache.restore(entries, reused)
+        stats.cached_tokens = reused
+        first_scores = scorer.scores(self.passes.prefill(runner, prompt, reused), out.tokens, len(out.tokens))
         if successors is not None:
             successors.record(chain_contexts(prompt, []), first_scores)
         out.emit([scorer.target_choice(first_scores)])
@@ -538,6 +558,9 @@ class SelfSpecModel:
             stats.capture_seconds = runner.capture_seconds - capture_before
 
         stats.new_tokens = len(out.tokens) - len(prompt)
+        if self._reuses_prefixes():  # what the cache holds, for a later prompt that starts alike
+            held, entries = runner.cache.held(self.parts.num_layers)
+            self.prefix.add(out.tokens[:held], entries)
         stats.total_seconds = clock.total()
         plain_step = sum(runner.layer_bytes[: self.parts.num_layers]) + runner.head_bytes  # every layer, the head
         stats.steps_read = runner.weights_read / plain_step

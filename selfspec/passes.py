@@ -50,10 +50,13 @@ class TargetPasses:
         self.features = head if isinstance(head, FeatureHead) else None
         self.probe = None  # when set, the next passes report each layer's (input, output) to it (`auto_layers.py`)
 
-    def prefill(self, runner: LayerRunner, prompt: list[int]) -> torch.Tensor:
-        """Run the prompt through the target (and the head, to fill its cache); `[1, vocab]` logits of its last row."""
-        hidden = runner.embed(prompt, 0)  # [1, prompt, hidden]
+    def prefill(self, runner: LayerRunner, prompt: list[int], start: int = 0) -> torch.Tensor:
+        """Run the prompt through the target (and the head, to fill its cache); `[1, vocab]` logits of its last row.
+        `start`: the cache already holds the first `start` positions (a stored prefix; not with a feature head)."""
+        hidden = runner.embed(prompt[start:], start)  # [1, prompt - start, hidden]
         if self.features is not None:
+            if start:
+                raise ValueError("a feature head's prefill starts at position 0")
             ids = torch.tensor([prompt], device=runner.positions.device)  # [1, prompt]
             runner.head_feature = None  # a new sequence: f before position 0 is zero
             last, features = self.run_reading(runner, hidden, 0)
@@ -61,10 +64,10 @@ class TargetPasses:
             return runner.logits(last[:, -1:])
         rest = range(self.num_layers)
         if self.head is not None:
-            hidden = runner.run(hidden, range(self.head.exit_layer), 0, probe=self.probe)
-            runner.run(hidden, [self.head.slot], 0)
+            hidden = runner.run(hidden, range(self.head.exit_layer), start, probe=self.probe)
+            runner.run(hidden, [self.head.slot], start)
             rest = range(self.head.exit_layer, self.num_layers)
-        return runner.logits(runner.run(hidden, rest, 0, probe=self.probe)[:, -1:])
+        return runner.logits(runner.run(hidden, rest, start, probe=self.probe)[:, -1:])
 
     def verify(self, runner: LayerRunner, ids: torch.Tensor, boundary: list[torch.Tensor], start: int) -> Checked:
         """Target logits `[k+1, vocab]` for `ids` `[1, k+1]`: the last emitted token (at `start`) and k drafted ones.

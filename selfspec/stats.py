@@ -40,6 +40,7 @@ class GenerationStats:
     recycling_paused: int = 0  # rounds that neither recorded nor drafted recycled nodes: they did not pay
     rounds_without_draft: int = 0  # plain steps: drafting off, paused, or no budget left
     accepted_lengths: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt positions taken from the prefix cache instead of prefilled (`prefix_cache.py`)
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -197,6 +198,10 @@ class BatchStats:
     @property
     def new_tokens(self) -> int:
         return sum(s.new_tokens for s in self.row_stats)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(s.cached_tokens for s in self.row_stats)
 
     @property
     def drafted(self) -> int:

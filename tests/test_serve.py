@@ -113,10 +113,10 @@ def wait_until(condition, what: str, timeout: float = 20.0) -> None:
 
 
 @contextlib.contextmanager
-def serving(model, tokenizer, plan=PLAN, grace: float = 2.0, **options):
+def serving(model, tokenizer, plan=PLAN, grace: float = 2.0, prefix_cache=None, **options):
     """A uvicorn server (`GracefulServer`, as `selfspec serve` runs) on a free port of 127.0.0.1, in a thread;
     stopped with `should_exit`, or as a signal stops it with `handle.uvicorn.handle_exit`."""
-    spec = Gated(selfspec.wrap(model, plan=plan))
+    spec = Gated(selfspec.wrap(model, plan=plan, prefix_cache=prefix_cache))
     app = create_app(spec, tokenizer, model_name=MODEL, **options)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
@@ -200,6 +200,28 @@ def test_chat_greedy_equals_model_generate(server, tiny):
     stats = response.model_extra["selfspec"]
     assert stats["drafted"] > 0 and 0 <= stats["accepted"] <= stats["drafted"]
     assert stats["tokens_per_pass"] >= 1.0
+
+
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_a_chats_next_turn_starts_from_the_prefix_cache(tiny, max_batch):
+    """Turn 2 resends turn 1 and its answer: the server reuses their KV (usage and /metrics say how many tokens),
+    and the answer is still `model.generate`'s."""
+    model, tokenizer = tiny
+    with serving(model, tokenizer, prefix_cache="1MiB", max_batch=max_batch) as server:
+        first = [{"role": "user", "content": "w1 w2 w3 w4 w5"}]
+        one = server.client.chat.completions.create(model=MODEL, messages=first, max_tokens=NEW, temperature=0)
+        assert one.usage.prompt_tokens_details.cached_tokens == 0
+        second = first + [{"role": "assistant", "content": one.choices[0].message.content},
+                          {"role": "user", "content": "w6 w7"}]
+        two = server.client.chat.completions.create(model=MODEL, messages=second, max_tokens=NEW, temperature=0)
+        ids = tokenizer.apply_chat_template(second, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]
+        assert two.choices[0].message.content == reference(tiny, ids)
+        turn_one = chat_ids(tokenizer, "w1 w2 w3 w4 w5").shape[1]
+        assert turn_one <= two.usage.prompt_tokens_details.cached_tokens < two.usage.prompt_tokens
+        assert server.metric("selfspec_prefix_cache_hits_total") == 1
+        assert server.metric("selfspec_prefix_cached_tokens_total") == two.usage.prompt_tokens_details.cached_tokens
+        assert server.metric("selfspec_prefix_cache_bytes") > 0
 
 
 def test_completion_greedy_equals_model_generate(server, tiny):

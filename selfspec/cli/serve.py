@@ -58,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", choices=common.QUANTIZE_CHOICES, default=None,
                         help="quantize the model's linear layers weight-only after loading (torchao)")
     common.add_offload_arguments(parser)
+    parser.add_argument("--prefix-cache", type=common.size, default="1GiB", metavar="SIZE",
+                        help="keep the KV of finished requests, least recently used out first, so a request that "
+                             "starts as an earlier one did (a chat's next turn) prefills only the rest "
+                             "(default: 1GiB; 0: off)")
     common.add_step_argument(parser)
     common.add_reproducible_argument(parser)
 
@@ -80,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     model, tokenizer = selfspec.load(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize,
                                      **common.offload_options(args))
-    spec = selfspec.wrap(model, plan=plan, step=args.step, reproducible=args.reproducible)
+    spec = selfspec.wrap(model, plan=plan, step=args.step, reproducible=args.reproducible,
+                         prefix_cache=args.prefix_cache)
     print(f"selfspec: loaded in {time.perf_counter() - began:.1f} s; plan: {spec.describe_plan()}", file=sys.stderr,
           flush=True)
     name = args.model_name or args.model

@@ -400,7 +400,8 @@ def create_app(spec, tokenizer, *, model_name: str, max_batch: int = 1, max_queu
     def stats(result: Result) -> dict:
         return {
             "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-                      "total_tokens": result.prompt_tokens + result.completion_tokens},
+                      "total_tokens": result.prompt_tokens + result.completion_tokens,
+                      "prompt_tokens_details": {"cached_tokens": result.cached_tokens}},
             "selfspec": {"drafted": result.drafted, "accepted": result.accepted,
                          "tokens_per_pass": round(result.tokens_per_pass, 4)},
         }

@@ -77,6 +77,7 @@ class Result:
     verify_passes: int
     cancelled: bool = False
     by_source: dict[str, tuple[int, int]] = field(default_factory=dict)  # (drafted, accepted) per draft source
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
 
 @dataclass
@@ -275,4 +276,4 @@ class Engine:
         return Result(text=text, finish_reason=reason, prompt_tokens=len(job.prompt), completion_tokens=len(new),
                       drafted=stats.drafted, accepted=stats.accepted, tokens_per_pass=stats.tokens_per_pass,
                       verify_passes=stats.verify_passes, cancelled=job.cancelled.is_set(),
-                      by_source=stats.by_source())
+                      by_source=stats.by_source(), cached_tokens=stats.cached_tokens)

@@ -12,6 +12,10 @@
     selfspec_queue_depth                          requests waiting for the worker
     selfspec_batch_size                           requests in the batch the worker is running (0 or 1 today)
     selfspec_kv_cache_bytes                       KV cache the running batch holds (`spec.memory(context=...)`)
+    selfspec_prefix_cache_hits_total              requests that started from a stored prefix
+    selfspec_prefix_cached_tokens_total           prompt tokens taken from the prefix cache
+    selfspec_prefix_cache_evictions_total         stored sequences evicted to keep to the budget
+    selfspec_prefix_cache_bytes                   bytes the prefix cache holds
     selfspec_time_to_first_token_seconds          from the request's arrival (queueing included) to its first token
     selfspec_time_per_output_token_seconds        after the first token, per token (one observation per request)
 """
@@ -52,6 +56,13 @@ class Metrics:
                                   registry=registry)
         self.kv_cache_bytes = Gauge("selfspec_kv_cache_bytes", "KV cache bytes the running batch holds",
                                     registry=registry)
+        self.prefix_hits = Counter("selfspec_prefix_cache_hits", "Requests that started from a stored prefix",
+                                   registry=registry)
+        self.prefix_cached_tokens = Counter("selfspec_prefix_cached_tokens", "Prompt tokens taken from the prefix "
+                                            "cache", registry=registry)
+        self.prefix_evictions = Counter("selfspec_prefix_cache_evictions", "Stored sequences evicted to keep to "
+                                        "the budget", registry=registry)
+        self.prefix_bytes = Gauge("selfspec_prefix_cache_bytes", "Bytes the prefix cache holds", registry=registry)
         self.time_to_first_token = Histogram(
             "selfspec_time_to_first_token_seconds", "Seconds from a request's arrival to its first token",
             buckets=LATENCY_BUCKETS, registry=registry)

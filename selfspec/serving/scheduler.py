@@ -45,6 +45,7 @@ class Scheduler:
         if max_batch < 1 or max_queue < 1:
             raise ValueError(f"max_batch and max_queue must be >= 1 (got {max_batch}, {max_queue})")
         self.engine = engine
+        self._evictions_seen = 0  # the prefix cache's evictions already counted in the metrics
         self.metrics = metrics
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -254,6 +255,13 @@ class Scheduler:
             metrics.source_drafted.labels(source).inc(drafted)
             metrics.source_accepted.labels(source).inc(accepted)
         metrics.verify_passes.inc(result.verify_passes)
+        if result.cached_tokens:
+            metrics.prefix_hits.inc()
+            metrics.prefix_cached_tokens.inc(result.cached_tokens)
+        if prefix := getattr(self.engine.spec, "prefix", None):
+            metrics.prefix_bytes.set(prefix.bytes)
+            metrics.prefix_evictions.inc(prefix.stats.evictions - self._evictions_seen)
+            self._evictions_seen = prefix.stats.evictions
         if job.first_token_at is not None:
             metrics.time_to_first_token.observe(job.first_token_at - job.arrived)
             if result.completion_tokens > 1 and job.finished_at is not None:
