@@ -160,3 +160,25 @@ def make_vocab(model, path, *, seed: int = 0):
     weights = torch.rand(vocab, generator=g) ** 4
     seqs = [torch.multinomial(weights, 64, replacement=True, generator=g).tolist() for _ in range(8)]
     return save_vocab(path, count_tokens(seqs, vocab), model=model, parts=parts, source="random test sequences")
+
+
+def save_word_tokenizer(folder, words: list[str]) -> None:
+    """A word-level tokenizer over `words` (its first two: the unknown and the pad token), saved in `folder`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=words[0],
+                                         pad_token=words[1]).save_pretrained(folder)
+
+
+def save_tiny_llama(folder, words: list[str], **config) -> None:
+    """A random Llama over `words` (a word-level tokenizer), saved as a Hugging Face folder: 2 layers of width 16
+    unless `config` says otherwise."""
+    fields = dict(vocab_size=len(words), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                  tie_word_embeddings=True, initializer_range=0.3, pad_token_id=1, bos_token_id=None,
+                  eos_token_id=None)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**fields, **config})).save_pretrained(folder)
+    save_word_tokenizer(folder, words)

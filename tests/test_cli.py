@@ -20,12 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 import selfspec
 from selfspec.cli import main
 from selfspec.cli.generate import sampling_options
+from selfspec.testing import save_tiny_llama
 
 WORDS = ["[UNK]", "[PAD]", "hello", "world", "the", "capital", "of", "france", "is", "paris", "a", "cat"]
 NO_MODEL = "/no/such/model"  # if a check ran after loading, the error would be about this instead
@@ -35,17 +34,7 @@ NO_MODEL = "/no/such/model"  # if a check ran after loading, the error would be 
 def tiny_folder(tmp_path_factory) -> Path:
     """A random 2-layer Llama with a long context (for the Ctrl-C test) and a word-level tokenizer."""
     folder = tmp_path_factory.mktemp("tiny-llama")
-    config = transformers.LlamaConfig(
-        vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32768, tie_word_embeddings=True, initializer_range=0.3,
-        pad_token_id=1, bos_token_id=None, eos_token_id=None,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]",
-                                         pad_token="[PAD]").save_pretrained(folder)
+    save_tiny_llama(folder, WORDS, max_position_embeddings=32768)
     return folder
 
 

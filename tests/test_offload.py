@@ -9,14 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 import selfspec
 from selfspec.cli import main
 from selfspec.offload import budget_device_map, describe_layers, layers_path, offload_layers, parse_bytes
 from selfspec.registry import adapter_for
-from selfspec.testing import TINY_CONFIGS, random_prompt, tiny_model
+from selfspec.testing import TINY_CONFIGS, random_prompt, save_tiny_llama, tiny_model
 
 WORDS = ["[UNK]", "[PAD]"] + [f"w{i}" for i in range(62)]
 
@@ -97,17 +95,8 @@ def test_sizes_parse_and_bad_ones_are_refused():
 def folder(tmp_path_factory) -> Path:
     """A random 4-layer Llama with a word-level tokenizer."""
     path = tmp_path_factory.mktemp("tiny-offload")
-    config = transformers.LlamaConfig(
-        vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.3,
-        pad_token_id=1, bos_token_id=None, eos_token_id=None,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]",
-                                         pad_token="[PAD]").save_pretrained(path)
+    save_tiny_llama(path, WORDS, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                    tie_word_embeddings=False)
     return path
 
 

@@ -33,7 +33,7 @@ from plan_strategies import assert_same, plans
 from selfspec.cli import main
 from selfspec.quant import quantize_model
 from selfspec.runner import LayerRunner
-from selfspec.testing import build_config, make_head, make_vocab, random_prompt, tiny_model
+from selfspec.testing import build_config, make_head, make_vocab, random_prompt, save_word_tokenizer, tiny_model
 
 ARCHS = ["llama", "qwen2", "gemma3_text"]
 QUANTIZE = ["int8", "int4"]
@@ -191,15 +191,9 @@ def test_memory_kv_bytes_equal_what_a_generation_allocates(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
     """A tiny Llama saved with save_pretrained, with a word-level tokenizer (no downloads)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     folder = tmp_path_factory.mktemp("tiny-quant")
     tiny_model("llama", torch.float32).save_pretrained(folder)
-    words = ["[UNK]", "[PAD]"] + [f"w{i}" for i in range(95)]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]",
-                                         pad_token="[PAD]").save_pretrained(folder)
+    save_word_tokenizer(folder, ["[UNK]", "[PAD]"] + [f"w{i}" for i in range(95)])
     return folder
 
 
