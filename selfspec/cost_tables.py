@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from .artifacts import model_identity
+from .offload import describe_layers, offloaded_layers
 from .auto_layers import layer_weights
 from .batch_runner import measure_batch_costs
 from .costs import (PassCosts, RuntimeCosts, cache_key, costs_cache_dir, load_costs, load_or_measure, machine_description,
@@ -50,9 +51,13 @@ class CostTables:
         # A quantized model's passes cost other times than its float twin's (same dtype, same identity).
         weights = {} if self.quantization is None else {"quantization": self.quantization}
         step = {} if self.step == "eager" else {"step": self.step}  # other shapes, other costs
+        # Offloaded layers load their weights every pass: a verify over 16 tokens may cost what 1 does.
+        offloaded = offloaded_layers(self.parts.layers)
+        placement = {"offloaded": describe_layers(offloaded)} if offloaded else {}
         return cache_key(
             **weights,
             **step,
+            **placement,
             model=model_identity(self.model, self.parts),
             dtype=str(self.parts.dtype),
             device=str(device),

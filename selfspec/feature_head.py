@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .artifacts import load_artifact, model_identity, save_artifact
+from .offload import resident_copy
 from .head import check_head_header
 from .parts import ModelParts
 from .quant import dense_copy
@@ -80,8 +81,8 @@ class FeatureHead(nn.Module):
         if not 0 <= source < n:
             raise ValueError(f"source_layer={source} out of range (valid: 0..{n - 1})")
         hidden = parts.embed.weight.shape[1]
-        head = cls(dense_copy(parts.layers[source], dtype=parts.dtype), reads=reads, source_layer=source, slot=n,
-                   hidden=hidden)
+        layer = resident_copy(dense_copy(parts.layers[source], dtype=parts.dtype), parts.embed.weight.device)
+        head = cls(layer, reads=reads, source_layer=source, slot=n, hidden=hidden)
         with torch.no_grad():
             eye = torch.eye(hidden)
             head.fuse.weight.zero_()

@@ -22,6 +22,7 @@ import os
 from torch import nn
 
 from .parts import ModelParts
+from .offload import resident_copy
 from .quant import dense_copy
 from .artifacts import load_artifact, model_identity, save_artifact
 
@@ -51,6 +52,7 @@ class ExitHead(nn.Module):
         if not 0 <= source < n:
             raise ValueError(f"source_layer={source} out of range (valid: 0..{n - 1})")
         layer = dense_copy(parts.layers[source], dtype=parts.dtype)  # a plain deepcopy for a float model
+        layer = resident_copy(layer, parts.embed.weight.device)  # without accelerate's hooks, if offloaded
         return cls(layer, exit_layer=exit_layer, source_layer=source, slot=n)
 
     def shape(self) -> dict:

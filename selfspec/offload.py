@@ -154,6 +154,31 @@ def offload_layers(model: nn.Module, first: int, *, folder: str | os.PathLike, s
     return dispatch_model(model, device_map, offload_dir=str(folder))
 
 
+def shared_weight_maps(layer: nn.Module) -> dict[int, object]:
+    """A `copy.deepcopy` memo that shares (does not copy) the offloaded weights accelerate's hooks on `layer`
+    read from: a copy of an offloaded layer then costs its own weights, not the whole offload's."""
+    memo: dict[int, object] = {}
+    for module in layer.modules():
+        hook = getattr(module, "_hf_hook", None)
+        for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
+            weights = getattr(h, "weights_map", None)
+            if weights is not None:
+                memo[id(weights)] = weights
+    return memo
+
+
+def resident_copy(layer: nn.Module, device: torch.device) -> nn.Module:
+    """`layer` (a copy: a head's own layer) without accelerate's hooks: detaching them loads an offloaded
+    copy's weights from the offload; any still on the meta device become uninitialised on `device`."""
+    if any(hasattr(m, "_hf_hook") for m in layer.modules()):
+        from accelerate.hooks import remove_hook_from_module
+
+        remove_hook_from_module(layer, recurse=True)
+    if is_offloaded(layer):
+        layer.to_empty(device=device)
+    return layer
+
+
 def device_of(tier: str) -> torch.device:
     return torch.device("cpu" if tier in ("cpu", "disk") else tier)
 

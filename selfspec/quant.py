@@ -27,6 +27,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from .offload import shared_weight_maps
+
 QUANTIZE_CHOICES = ("int8", "int4")
 QUANT_EXTRA = "pip install 'selfspec[quant]'"
 INT4_GROUP_SIZES = (128, 64, 32)  # the CPU kernel's group sizes, the coarsest that divides in_features first
@@ -132,7 +134,7 @@ def dense_copy(layer: nn.Module, *, dtype: torch.dtype) -> nn.Module:
     the quantization lives in the module class (bitsandbytes' `Linear8bitLt`,
     `Linear4bit`): a float weight would not change what such a module computes.
     """
-    copied = copy.deepcopy(layer)
+    copied = copy.deepcopy(layer, memo=shared_weight_maps(layer))  # an offloaded layer: its hooks' weights shared
     for module_name, module in copied.named_modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if not is_quantized(param):

@@ -127,3 +127,32 @@ def test_generate_cli_takes_a_memory_budget(folder, tmp_path, capsys):
     assert "offloaded: layers" in out, out
     code = main(["generate", "--model", str(folder), "--max-memory", "lots", "w1"])
     assert code == 2 and "--max-memory" in capsys.readouterr().err
+
+
+def test_heads_copied_from_offloaded_layers_draft_from_their_own_weights(tmp_path):
+    """A head's layer is a copy of one of the target's; copied from an offloaded layer, it holds that layer's
+    weights itself (no hook, nothing on the meta device), and the original stays offloaded."""
+    from selfspec.testing import make_feature_head, make_head
+
+    model = tiny_model("llama", torch.float64)
+    prompt = random_prompt(9, seed=2)
+    expected = model.generate(prompt, do_sample=False, max_new_tokens=20)
+    feature = make_feature_head(model, tmp_path / "feature")  # copied from the last layer: offloaded below
+    exit_head = make_head(model, tmp_path / "exit", exit_layer=2, source_layer=5)
+    model = offloaded(model, tmp_path, 3)
+    for plan in (selfspec.DraftPlan(head=str(feature), draft_length=3),
+                 selfspec.DraftPlan(exit_layer=2, head=str(exit_head), draft_length=3)):
+        spec = selfspec.wrap(model, plan=plan)
+        layer = spec.head.layer
+        assert not any(hasattr(m, "_hf_hook") for m in layer.modules())
+        assert all(p.device.type == "cpu" for p in layer.parameters())
+        assert torch.equal(spec.generate(prompt, max_new_tokens=20), expected)
+    assert spec.offloaded == (3, 4, 5) and model.model.layers[5].mlp.up_proj.weight.device.type == "meta"
+
+
+def test_an_offloaded_model_keeps_cost_tables_of_its_own(tmp_path):
+    """Its passes load weights every time: they cost other times than the resident model's."""
+    model = tiny_model("llama", torch.float32)
+    resident = selfspec.wrap(model, plan=selfspec.DraftPlan.resident_plan())
+    moved = selfspec.wrap(offloaded(model, tmp_path, 4), plan=selfspec.DraftPlan.resident_plan())
+    assert moved.cost_tables.key() != resident.cost_tables.key()
