@@ -216,5 +216,6 @@ def place_for_budget(folder, dtype: torch.dtype, budget: int, *, fast: str, slow
 
     with init_empty_weights():
         skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=dtype)
+    skeleton.tie_weights()  # a tied LM head counts once (an empty model is built untied)
     names, layer_names = top_level_names(skeleton, layers_path(skeleton))
     return budget_device_map(module_sizes(skeleton, names), layer_names, budget=budget, fast=fast, slow=slow)

@@ -12,7 +12,8 @@ import torch
 
 import selfspec
 from selfspec.cli import main
-from selfspec.offload import budget_device_map, describe_layers, layers_path, offload_layers, parse_bytes
+from selfspec.offload import (budget_device_map, describe_layers, layers_path, offload_layers, parse_bytes,
+                              place_for_budget)
 from selfspec.registry import adapter_for
 from selfspec.testing import TINY_CONFIGS, random_prompt, save_tiny_llama, tiny_model
 
@@ -158,3 +159,12 @@ def test_an_offloaded_model_keeps_cost_tables_of_its_own(tmp_path):
     resident = selfspec.wrap(model, plan=selfspec.DraftPlan.resident_plan())
     moved = selfspec.wrap(offloaded(model, tmp_path, 4), plan=selfspec.DraftPlan.resident_plan())
     assert moved.cost_tables.key() != resident.cost_tables.key()
+
+
+def test_a_tied_lm_head_counts_once_in_a_budget(tmp_path):
+    save_tiny_llama(tmp_path, WORDS, hidden_size=32, intermediate_size=64, num_hidden_layers=4)  # tied
+    model, _ = selfspec.load(str(tmp_path))
+    layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    embedding = model.model.embed_tokens.weight.numel() * 4
+    placed = place_for_budget(tmp_path, torch.float32, embedding + 2 * layer + 4096, fast="cpu", slow="disk")
+    assert placed.offloaded_layers == (2, 3), placed.device_map
