@@ -110,6 +110,7 @@ class PlainStats:
     drafted: int = 0
     accepted: int = 0
     tokens_per_pass: float = 1.0
+    cached_tokens: int = 0  # no prefix cache
 
     def by_source(self) -> dict[str, tuple[int, int]]:
         """No draft source drafted anything."""
