@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from .artifacts import model_identity
-from .offload import describe_layers, offloaded_layers
+from .offload import describe_layers
 from .auto_layers import layer_weights
 from .batch_runner import measure_batch_costs
 from .costs import (PassCosts, RuntimeCosts, cache_key, costs_cache_dir, load_costs, load_or_measure, machine_description,
@@ -38,8 +38,9 @@ class CostTables:
     """Keys and in-memory tables for one wrapped model, its step, its plan (`plan_name`) and its kernels."""
 
     def __init__(self, model, parts: ModelParts, *, kernels: KernelChoice, quantization: str | None, step: str,
-                 plan_name: str, draft_layers: bool) -> None:
+                 plan_name: str, draft_layers: bool, offloaded: tuple[int, ...] = ()) -> None:
         self.model, self.parts, self.kernels = model, parts, kernels
+        self.offloaded = offloaded  # layers whose weights load every pass (`offload.py`)
         self.quantization, self.step, self.plan_name, self.draft_layers = quantization, step, plan_name, draft_layers
         self.measured: dict[tuple, RuntimeCosts] = {}  # by (threads, device): a table, refined by the rounds
         self.batch: dict[tuple, RuntimeCosts] = {}  # by (threads, device, rows): batched passes (`batch.py`)
@@ -52,8 +53,7 @@ class CostTables:
         weights = {} if self.quantization is None else {"quantization": self.quantization}
         step = {} if self.step == "eager" else {"step": self.step}  # other shapes, other costs
         # Offloaded layers load their weights every pass: a verify over 16 tokens may cost what 1 does.
-        offloaded = offloaded_layers(self.parts.layers)
-        placement = {"offloaded": describe_layers(offloaded)} if offloaded else {}
+        placement = {"offloaded": describe_layers(self.offloaded)} if self.offloaded else {}
         return cache_key(
             **weights,
             **step,

@@ -189,7 +189,7 @@ class SelfSpecModel:
         self.kernel_choice = KernelChoice(model, self.parts, quantization=self.quantization, choice=kernels)
         self.cost_tables = CostTables(model, self.parts, kernels=self.kernel_choice, quantization=self.quantization,
                                       step=self.step, plan_name=self.describe_plan(),
-                                      draft_layers=self.drafter.has_layers)
+                                      draft_layers=self.drafter.has_layers, offloaded=self.offloaded)
         self.graphed: GraphedRunner | None = None  # kept across generations: its graphs hold its cache's addresses
         self.last_stats: GenerationStats | BatchStats | None = None
         # Unless reproducible, a recycled-draft plan's successor table (`recycle.py`) lives across greedy
