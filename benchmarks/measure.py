@@ -18,7 +18,7 @@ and costs nothing during the call. `peak_increase` = peak - RSS before the
 call: the memory the call itself needed beyond what the process already held.
 In a timed run that understates the need, because the allocator keeps freed
 memory from earlier calls; so the harness also runs every method once more,
-untimed, after `trim_allocator()` (see `measure(trim=True)`), and reports
+untimed, after `give_back_freed()` (see `measure(trim=True)`), and reports
 that pass's numbers. Where clear_refs is not available the numbers are None.
 
 On CUDA: `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()`,
@@ -29,7 +29,6 @@ This module knows nothing about which method it runs.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import time
 import traceback
@@ -37,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from selfspec.memory import give_back_freed
 
 from .methods import Method
 from .workload import Prompt
@@ -123,7 +124,7 @@ def measure(method: Method, prompt: Prompt, device: torch.device, *, trim: bool 
     row = Row(method.name, prompt.prompt_id, prompt.category, prompt.length)
     gc.collect()
     if trim:
-        trim_allocator(device)
+        give_back_freed(device)
     probe = MemoryProbe(device)
     try:
         probe.start()
@@ -174,17 +175,6 @@ class MemoryProbe:
         else:
             peak = _status_bytes("VmHWM")
         return peak, None if peak is None else max(0, peak - self.before)
-
-
-def trim_allocator(device: torch.device) -> None:
-    """Give freed memory back: glibc's malloc_trim on CPU, the caching allocator's cache on CUDA."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        return
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the peak increase may then be understated
-        pass
 
 
 def reset_rss_peak() -> bool:

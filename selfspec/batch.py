@@ -255,5 +255,7 @@ class BatchSession:
             self.stats.row_stats.append(row.stats)
         if rows and self.last_table is not None:
             self.stats.costs = self.last_table.summary()
-        if not self.rows:
-            self.runner = None  # an empty batch holds no cache; the next row allocates anew
+        if not self.rows:  # an empty batch holds no cache (nor does its layer source); the next row allocates anew
+            self.runner = None
+            if self.layers is not None:
+                self.layers.runner = None

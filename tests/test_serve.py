@@ -440,6 +440,44 @@ def test_a_batch_of_eight_drafts_with_the_plans_layers(tiny):
     assert rows > 1.5, rows  # the requests shared rounds
 
 
+@pytest.mark.parametrize("max_batch", [1, 8])
+def test_an_idle_server_holds_no_kv_and_hands_freed_memory_back(tiny, monkeypatch, max_batch):
+    """After a burst, the idle server keeps no KV cache (nor a layer source a stale runner holding one) and
+    hands what the requests freed back to the system, once per burst rather than once per request."""
+    from selfspec.serving import scheduler as scheduler_module
+
+    returned = []
+    monkeypatch.setattr(scheduler_module, "give_back_freed", lambda device: returned.append(device))
+    results: dict = {}
+    with serving(*tiny, plan=PLAN, max_queue=64, max_batch=max_batch) as handle:
+        handle.gate.clear()
+        contents = ["w20 w21", "w22", "w23 w24 w23"]
+        threads = [threading.Thread(target=lambda c=c: results.setdefault(c, chat(handle, c))) for c in contents]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: len(handle.scheduler.running) + handle.scheduler.queue_depth == len(contents),
+                   "every request to arrive")
+        handle.gate.set()
+        for thread in threads:
+            thread.join(timeout=60)
+        wait_until(lambda: handle.metric("selfspec_idle_memory_returns_total") >= 1, "the idle server to trim")
+        assert handle.metric("selfspec_kv_cache_bytes") == 0
+        assert handle.metric("selfspec_idle_memory_returns_total") == len(returned) < len(contents)
+        assert handle.metric("process_resident_memory_bytes") > 0
+    assert all(results[c].choices[0].message.content == reference(tiny, chat_ids(tiny[1], c)) for c in contents)
+
+
+def test_an_emptied_batch_session_drops_its_cache_everywhere(tiny):
+    model, tokenizer = tiny
+    session = selfspec.wrap(model, plan=PLAN).batch_session()
+    for content in ("w30 w31", "w32"):
+        session.add(chat_ids(tokenizer, content)[0].tolist(), max_new_tokens=6)
+    assert session.layers.runner is session.runner is not None
+    while len(session):
+        session.step()
+    assert session.runner is None and session.layers.runner is None and session.kv_cache_bytes() == 0
+
+
 def test_batched_seeded_sampling_reproduces_alone(batched):
     first = chat(batched, "w5 w6", temperature=1.0, seed=7).choices[0].message.content
     assert chat(batched, "w5 w6", temperature=1.0, seed=7).choices[0].message.content == first

@@ -16,13 +16,16 @@
     selfspec_prefix_cached_tokens_total           prompt tokens taken from the prefix cache
     selfspec_prefix_cache_evictions_total         stored sequences evicted to keep to the budget
     selfspec_prefix_cache_bytes                   bytes the prefix cache holds
+    selfspec_idle_memory_returns_total            times the idle server handed freed memory back to the system
+    process_resident_memory_bytes                 the server's RSS (and the other `process_*` metrics)
     selfspec_time_to_first_token_seconds          from the request's arrival (queueing included) to its first token
     selfspec_time_per_output_token_seconds        after the first token, per token (one observation per request)
 """
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               generate_latest)
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -63,6 +66,9 @@ class Metrics:
         self.prefix_evictions = Counter("selfspec_prefix_cache_evictions", "Stored sequences evicted to keep to "
                                         "the budget", registry=registry)
         self.prefix_bytes = Gauge("selfspec_prefix_cache_bytes", "Bytes the prefix cache holds", registry=registry)
+        self.idle_trims = Counter("selfspec_idle_memory_returns", "Times the idle server handed freed memory back "
+                                  "to the system", registry=registry)
+        ProcessCollector(registry=registry)  # process_resident_memory_bytes and the other process_* metrics
         self.time_to_first_token = Histogram(
             "selfspec_time_to_first_token_seconds", "Seconds from a request's arrival to its first token",
             buckets=LATENCY_BUCKETS, registry=registry)

@@ -26,6 +26,7 @@ import logging
 import threading
 from collections import deque
 
+from ..memory import give_back_freed
 from .generation import Engine, Failed, Job
 from .metrics import Metrics
 
@@ -182,9 +183,12 @@ class Scheduler:
                     self._answer(job, self.engine.finished(job, row))
                 else:
                     rows[row] = job
+            with self.condition:
+                self.running = list(rows.values())
             self.metrics.batch_size.set(len(rows))
             self.metrics.kv_cache_bytes.set(session.kv_cache_bytes())
             if not rows:
+                self._idle()
                 continue
             self.metrics.batch_rounds.inc()
             self.metrics.batch_rows.inc(len(rows))
@@ -203,6 +207,8 @@ class Scheduler:
                 self.running = list(rows.values())
             self.metrics.batch_size.set(len(rows))
             self.metrics.kv_cache_bytes.set(session.kv_cache_bytes())
+            if not rows:
+                self._idle()
 
     def _next_batch(self) -> list[Job]:
         """Wait for requests and take up to `max_batch` of them (a round boundary); [] when stopping."""
@@ -224,6 +230,7 @@ class Scheduler:
             with self.condition:
                 self.running.remove(job)
                 self.metrics.batch_size.set(len(self.running))
+        self._idle()
 
     def _run_one(self, job: Job) -> None:
         if job.cancelled.is_set():
@@ -238,6 +245,15 @@ class Scheduler:
         finally:
             self.metrics.kv_cache_bytes.set(0)
         self._answer(job, result)
+
+    def _idle(self) -> None:
+        """Nothing runs: if nothing waits either, hand the memory the finished requests freed back to the system
+        (their KV caches; a batch's cache went with its last row), so an idle server's RSS comes back down."""
+        with self.condition:
+            if self.queue or self.running:
+                return
+        give_back_freed(self.engine.device)
+        self.metrics.idle_trims.inc()
 
     def _fail(self, job: Job, error: BaseException) -> None:
         log.error("generation failed", exc_info=error)  # the client gets a 500 naming the exception's type only
