@@ -691,6 +691,20 @@ def test_a_body_over_the_limit_is_413(tiny):
     assert main(["serve", "/no/such/model", "--max-request-bytes", "0"]) == 2  # refused as it is parsed
 
 
+def test_a_large_body_over_the_limit_gets_its_413_not_a_reset(tiny):
+    """A body of megabytes over the limit: the client gets the 413, not a connection reset (a server that answers
+    and closes while the body is still arriving resets the connection, and the client may never read the
+    answer)."""
+    with serving(*tiny, max_request_bytes=2000) as server:
+        body = json.dumps({**CHAT, "messages": [{"role": "user", "content": "w1 " * 2_000_000}]}).encode()  # 6 MB
+        with httpx.Client(timeout=30) as client:
+            for _ in range(6):
+                response = client.post(f"{server.url}/v1/chat/completions", content=body,
+                                       headers={"Content-Type": "application/json"})
+                assert response.status_code == 413, response.text
+        assert httpx.get(f"{server.url}/health").status_code == 200
+
+
 def test_tokenizing_a_long_prompt_holds_up_neither_the_loop_nor_the_worker(server, tiny, monkeypatch):
     """A prompt being encoded (seconds, for megabytes of text) leaves /health and the running streams alone."""
     entered, release = threading.Event(), threading.Event()

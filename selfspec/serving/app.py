@@ -44,6 +44,7 @@ log = logging.getLogger("selfspec.serving")
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's legacy endpoint
 MAX_STOP_STRINGS = 4
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a request body beyond it gets 413: far more text than a context holds
+DRAIN_BYTES = 64 * 1024 * 1024  # a refused body up to this size is read and dropped before the 413 (see BodyLimit)
 DISCONNECT_POLL_SECONDS = 0.25  # how often a waiting non-streaming request checks that its client is still there
 
 
@@ -193,7 +194,7 @@ class BodyLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
-            await self.refuse(scope, receive, send)
+            await self.refuse(scope, receive, send, declared=int(declared))
             return
         body = bytearray()
         while True:
@@ -217,7 +218,16 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def refuse(self, scope, receive, send) -> None:
+    async def refuse(self, scope, receive, send, *, declared: int = 0) -> None:
+        """Answer 413. The rest of the body is read and dropped first (up to `DRAIN_BYTES`): a server that answers
+        and closes while a body still arrives resets the connection, and the client may never read the 413."""
+        if declared <= DRAIN_BYTES:
+            drained = 0
+            while drained <= DRAIN_BYTES:
+                message = await receive()
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    break
+                drained += len(message.get("body", b""))
         response = error_response(413, f"the request body is larger than this server's limit of {self.limit} "
                                        f"bytes (--max-request-bytes)", code="request_too_large",
                                   headers={"Connection": "close"})
