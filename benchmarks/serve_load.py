@@ -2,6 +2,7 @@
 
     python -m benchmarks.serve_load                                   # concurrency 1,2,4,8; 32 requests each
     python -m benchmarks.serve_load --threads 1 --concurrency 1,2 --requests 2 --max-tokens 16   # a smoke run
+    python -m benchmarks.serve_load --multi-turn        # chats over long documents, with and without the prefix cache
 
 Three servers, all on 127.0.0.1 (free ports), in this process (uvicorn in
 threads), each serving the one loaded model:
@@ -520,6 +521,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help=f"Spec-Bench questions (default {DEFAULT_DATA})")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "results", help="results folder (default results/)")
     p.add_argument("--verbose", action="store_true", help="keep transformers' warnings")
+    p.add_argument("--multi-turn", action="store_true",
+                   help="instead: chats of --turns turns over long documents, served with and without the prefix "
+                        "cache (benchmarks/serve_multi_turn.py); --max-tokens per turn")
+    p.add_argument("--documents", default="1500,3000", help="--multi-turn: document sizes in tokens (default 1500,3000)")
+    p.add_argument("--turns", type=int, default=4, help="--multi-turn: turns per conversation (default 4)")
     args = p.parse_args(argv)
     try:
         args.levels = parse_levels(args.concurrency)
@@ -581,6 +587,8 @@ def main(argv: list[str] | None = None) -> int:
     busy = busy_warning(torch.device("cpu"))
     if busy:
         header["warning"] = busy
+    if args.multi_turn:
+        return multi_turn_main(model, tokenizer, args, header, plan)
     print_header(header)
     result = benchmark(model, tokenizer, prompts, levels=args.levels, requests=args.requests,
                        max_tokens=args.max_tokens, plan=plan, chat=chat, request_timeout=args.request_timeout,
@@ -597,6 +605,28 @@ def main(argv: list[str] | None = None) -> int:
     (folder / "serve_load.json").write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
     (folder / "table.md").write_text(table, encoding="utf-8")
     print("\n" + table.split("## Per server and concurrency", 1)[1].strip())
+    print(f"\nresults in {folder}")
+    return 0
+
+
+def multi_turn_main(model, tokenizer, args, header: dict, plan) -> int:
+    """`--multi-turn`: the prefix cache's run (`serve_multi_turn.py`); writes serve_multi_turn.json."""
+    from benchmarks.serve_multi_turn import run as run_multi_turn
+
+    for key in ("prompts", "prompt format", "requests", "concurrency"):
+        header.pop(key)
+    header["conversations"] = (f"documents of {args.documents} tokens, {args.turns} turns each; streaming, "
+                               f"temperature 0, max_tokens {args.max_tokens}; servers with --prefix-cache 1GiB and "
+                               f"without, each turn to both, alternating which goes first")
+    print_header(header)
+    results = run_multi_turn(model, tokenizer, plan=plan, documents=[int(d) for d in args.documents.split(",")],
+                             turns=args.turns, max_tokens=args.max_tokens, max_batch=max(args.levels),
+                             request_timeout=args.request_timeout, data=args.data,
+                             log=lambda line: print(line, flush=True))
+    folder = args.out / f"{time.strftime('%Y%m%d-%H%M%S')}-serve_multi_turn-{Path(str(args.model)).name}-{args.dtype}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "serve_multi_turn.json").write_text(json.dumps({"header": header, "results": results}, indent=1,
+                                                             default=str) + "\n", encoding="utf-8")
     print(f"\nresults in {folder}")
     return 0
 

@@ -146,3 +146,25 @@ def test_a_small_run_serves_three_ways_and_reports_every_level():
     assert table.count("| hf-generate |") == 2 and "24/24 identical" in table
     assert "The plan over drafting off, per block" in table
     assert not math.isnan(result["levels"]["selfspec-plain"][2]["latency_p50"])
+
+
+def test_the_multi_turn_mode_reuses_the_prefix_on_later_turns_with_the_same_answers(tmp_path):
+    """`serve_load --multi-turn`'s run: the cached server takes every later turn's history from its prefix cache,
+    the other server none, and in float64 their answers are the same."""
+    import json
+
+    from benchmarks import serve_multi_turn
+
+    data = tmp_path / "questions.jsonl"
+    article = " ".join(f"w{10 + i % 80}" for i in range(200))
+    data.write_text(json.dumps({"category": "summarization", "question_id": 1, "turns": [article]}) + "\n")
+    lines = []
+    results = serve_multi_turn.run(tiny_model("llama"), tiny_tokenizer(), plan=PLAN, documents=[40], turns=3,
+                                   max_tokens=5, max_batch=4, request_timeout=30, data=data, log=lines.append)
+    turns = results[40]["turns"]
+    assert [t["turn"] for t in turns] == [1, 2, 3] and results[40]["same"] == 3
+    assert turns[0]["cached_tokens"] < 5  # at most the chat template's opening, shared with the warm-up request
+    for before, turn in zip(turns, turns[1:]):
+        assert before["prompt_tokens"] < turn["cached_tokens"] < turn["prompt_tokens"]
+        assert turn["cached_tokens_no_cache"] == 0
+    assert results[40]["ttft_ratio_later_median"] > 0 and any("turns 2+" in line for line in lines)
