@@ -9,8 +9,8 @@ and device in memory, and writes what the rounds refined beside the measured
 table, never over it: a reproducible wrapper reads the measured one alone.
 A profile handed in (`handed_costs`) prices a draft by the weights it reads.
 
-It does not time a pass itself (the caller hands it the measurement) and
-does not decide anything from a table.
+It does not time a pass itself (`plan_costs` hands `costs.py` the wrapper's
+runners) and does not decide anything from a table.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from .offload import describe_layers
 from .auto_layers import layer_weights
 from .batch_runner import measure_batch_costs
 from .costs import (PassCosts, RuntimeCosts, cache_key, costs_cache_dir, load_costs, load_or_measure, machine_description,
-                    save_costs)
+                    measure_pass_costs, save_costs)
 from .draft import Drafter
 from .head import ExitHead
 from .kernel_choice import KernelChoice
@@ -153,6 +153,28 @@ class CostTables:
             self.batch[key] = RuntimeCosts(table)
         runtime = self.batch[key]
         return runtime if learn else RuntimeCosts(runtime.table, learn=False)
+
+
+def plan_costs(spec, *, refined: bool, cached: bool = True, repeats: int = 3) -> PassCosts:
+    """The table of the passes the wrapper `spec`'s plan runs (`refined`: as earlier rounds refined it, where they
+    did): read from disk, or timed on runners of the wrapper's step (`costs.measure_pass_costs`)."""
+    parts, drafter = spec.parts, spec.drafter
+
+    def draft_step(runner, position: int) -> None:
+        logits = drafter.step(runner, 0, position)  # [1, vocab]
+        float(torch.softmax(logits[0], dim=-1).max())  # the confidence the policy reads
+
+    def measure(*, draft: bool) -> PassCosts:
+        if draft and spec.plan.auto:  # an auto plan's draft times its reference set (`auto_layers.py` scales)
+            drafter.set_layers(spec.plan.draft_layers(parts.num_layers))
+        with spec.kernels():
+            return measure_pass_costs(lambda capacity: spec.runner_for(capacity, keep=False),
+                                      draft_step if draft else None, num_layers=parts.num_layers,
+                                      vocab_size=parts.vocab_size, max_width=spec.max_width, repeats=repeats,
+                                      bucketed=spec.step != "eager",  # the static step pads a pass to its bucket
+                                      max_positions=parts.max_positions, draft_only=draft)
+
+    return spec.cost_tables.load_or_measure(measure, max_width=spec.max_width, cached=cached, refined=refined)
 
 
 def handed_costs(costs: PassCosts | str | None, *, max_width: int, num_layers: int,

@@ -1,56 +1,52 @@
-"""`wrap(model)` and one generation: prefill, the rounds (draft, verify, accept, roll back, emit, record), stats.
+"""`wrap(model)` and the wrapper: `generate()` as transformers has it, over one sequence or a batch.
 
-The loop keeps one invariant: at the top of each round the cache holds the
-target's entries for every token but the last emitted one, whose entries the
-round computes. A round drafts up to k tokens through the plan's layers,
-verifies them in one pass of the remaining layers, keeps the accepted prefix
-plus the target's own next token, and crops the cache back to what was kept.
+`SelfSpecModel` holds what every generation shares: the adapter's view of
+the model, the plan and its draft pieces (drafter, head, vocabulary), the
+step (how a pass runs), the kernels and cost tables, the prefix cache, and
+what a non-reproducible wrapper learns across calls. `generate` resolves the
+options as `model.generate` does, then hands one sequence to
+`sequence.decode_sequence` (prefill, rounds, stats) and a padded batch to
+`batch_generate.generate_rows`. A generation's cache lives for that call,
+except a CUDA-graphed runner's, which stays with the wrapper (its graphs hold
+the cache's addresses). The model itself is only ever read.
 
-The cache lives for one `generate()` call, so a generation that raises
-leaves nothing behind; the model itself is only ever read. With `step="graphs"` the cache and its CUDA graphs stay with the
-wrapped model (the graphs hold its addresses); each call empties it first.
-
-The rounds themselves are `rounds.py` (eager) and `static_loop.py` (one
-read back a round); a batch's are `batch.py`. It does not choose kernels (`kernel_choice.py`) nor key cost tables
-(`cost_tables.py`).
+It does not run a round (`rounds.py`, `static_loop.py`, `batch.py`), choose
+kernels (`kernel_choice.py`) nor key cost tables (`cost_tables.py`).
 """
 
 from __future__ import annotations
 
-import copy
 import os
-import warnings
 
 import torch
 
 from .adapter import Adapter
-from .auto_layers import AutoLayers, layer_weights
+from .auto_layers import layer_weights
 from .batch import BatchSession
-from .cost_tables import CostTables, draft_read_fraction, handed_costs
-from .costs import PassCosts, RuntimeCosts, measure_pass_costs
+from .batch_generate import generate_rows, open_session
+from .cost_tables import CostTables, draft_read_fraction, handed_costs, plan_costs
+from .costs import PassCosts, RuntimeCosts
 from .cpu_kernels import AttentionKernels, LinearKernels
 from .draft import Drafter
-from .feature_head import FeatureHead, artifact_kind, load_feature_head
-from .head import ExitHead, load_head
+from .feature_head import FeatureHead
+from .head import ExitHead
 from .hf_generation import GenerationSettings, inferred_padding, resolve_settings
 from .inputs import check_context, check_prompts
 from .kernel_choice import KernelChoice, check_choice
 from .memory import MemoryReport, memory_report
 from .offload import describe_layers, offloaded_layers, parse_bytes
-from .output import Clock, Output
 from .parts import ModelParts, text_config
 from .passes import TargetPasses
 from .plan import DraftPlan
+from .plan_choice import as_plan, load_any_head, warn_offloaded_draft
 from .prefix_cache import PrefixCache
-from .policy import AcceptanceEstimates, DepthCalibration, DraftPolicy, LayerChoosingPolicy, RecycleLedger, policy_for
+from .policy import AcceptanceEstimates, DepthCalibration, DraftPolicy, RecycleLedger, policy_for
 from .quant import describe_quantization
-from .recycle import SuccessorTable, chain_contexts
+from .recycle import SuccessorTable
 from .registry import adapter_for
 from .runner import LayerRunner
-from .rounds import Decoding, eager_rounds
-from .scoring import Scorer
+from .sequence import decode_sequence
 from .static import GraphedRunner, StaticRunner
-from .static_loop import run_static_rounds
 from .stats import BatchStats, GenerationStats
 from .vocab import DraftVocab, load_vocab
 
@@ -107,49 +103,8 @@ def wrap(
     """
     adapter = adapter_for(model)
     offloaded = offloaded_layers(adapter.bind(model).layers)
-    return SelfSpecModel(model, adapter=adapter, plan=_as_plan(plan, adapter, model.config, offloaded), costs=costs,
+    return SelfSpecModel(model, adapter=adapter, plan=as_plan(plan, adapter, model.config, offloaded), costs=costs,
                          step=step, kernels=kernels, reproducible=reproducible, prefix_cache=prefix_cache)
-
-
-def _as_plan(plan, adapter: Adapter, config, offloaded: tuple[int, ...] = ()) -> DraftPlan:
-    if plan is None and offloaded:  # draft from resident weights only: every offloaded layer a draft ran is a load
-        return DraftPlan.resident_plan()
-    if plan is None:
-        return adapter.plan_for(config)
-    if isinstance(plan, DraftPlan):
-        return plan
-    if isinstance(plan, dict):
-        return DraftPlan.from_dict(plan)
-    if isinstance(plan, str) and plan == "auto":
-        return DraftPlan.auto_plan()
-    if isinstance(plan, (str, os.PathLike)):
-        return DraftPlan.load(plan)
-    raise ValueError(f"plan must be a DraftPlan, a dict, \"auto\", a path to a plan JSON file or None, "
-                     f"got {type(plan).__name__}")
-
-
-def _warn_offloaded_draft(plan: DraftPlan, offloaded: tuple[int, ...], num_layers: int) -> None:
-    """Warn when a plan's draft runs offloaded layers: each draft step then loads their weights."""
-    if not offloaded or not plan.drafts or plan.head is not None and plan.exit_layer is None:
-        return
-    runs = set(range(num_layers)) if plan.auto else set(plan.draft_layers(num_layers))
-    through = tuple(sorted(runs & set(offloaded)))
-    if through:
-        warnings.warn(f"the plan's draft runs offloaded layers ({describe_layers(through)}): "
-                      f"each draft step loads their weights. Plans that draft from resident weights only: n-grams and "
-                      f"recycled predictions (the default here), a feature head, or an exit before layer "
-                      f"{offloaded[0]} with its head", stacklevel=3)
-
-
-def load_any_head(plan: DraftPlan, *, model, parts):
-    """The plan's head: a feature head when its manifest says so (the plan then names no exit), else an exit head."""
-    if artifact_kind(plan.head) == "feature_head":
-        if plan.exit_layer is not None:
-            raise ValueError(f"the feature head {plan.head} drafts without the target's layers: drop exit_layer=")
-        return load_feature_head(plan.head, model=model, parts=parts)
-    if plan.exit_layer is None:
-        raise ValueError(f"head={plan.head!r} needs exit_layer=E, the exit the head was trained for")
-    return load_head(plan.head, model=model, parts=parts)
 
 
 class SelfSpecModel:
@@ -170,7 +125,7 @@ class SelfSpecModel:
         self.parts: ModelParts = adapter.bind(model)
         self.plan = plan
         self.offloaded = offloaded_layers(self.parts.layers)  # layers whose weights a hook loads for every call
-        _warn_offloaded_draft(plan, self.offloaded, self.parts.num_layers)
+        warn_offloaded_draft(plan, self.offloaded, self.parts.num_layers)
         self.quantization = describe_quantization(model)  # None, or which weights are quantized and how
         self.head: ExitHead | FeatureHead | None = None
         self.vocab: DraftVocab | None = None
@@ -215,7 +170,7 @@ class SelfSpecModel:
             return "graphs" if on_cuda and not self.offloaded else "eager"
         return step
 
-    def _runner(self, capacity: int, *, keep: bool = True) -> LayerRunner:
+    def runner_for(self, capacity: int, *, keep: bool = True) -> LayerRunner:
         """A runner for one generation (`keep`) or one measurement, of the kind `self.step` names."""
         if self.step == "eager":
             return LayerRunner(self.parts, capacity=capacity, head=self.head)
@@ -257,7 +212,7 @@ class SelfSpecModel:
         return self._runtime_costs().table
 
     def _runtime_costs(self) -> RuntimeCosts:
-        return self.cost_tables.runtime(lambda: self._load_costs(refined=not self.reproducible))
+        return self.cost_tables.runtime(lambda: plan_costs(self, refined=not self.reproducible))
 
     def draft_read_fraction(self) -> float:
         """The weights one drafted token reads, in plain steps (`cost_tables.draft_read_fraction`)."""
@@ -270,35 +225,10 @@ class SelfSpecModel:
         any refinement of it) on disk and for this wrapper's next generation;
         a reproducible wrapper's decisions change only so.
         """
-        table = self._load_costs(refined=cached and not self.reproducible, cached=cached, repeats=repeats)
+        table = plan_costs(self, refined=cached and not self.reproducible, cached=cached, repeats=repeats)
         if not cached:
             self.cost_tables.forget()  # the next generation starts from the new table
         return table
-
-    def _load_costs(self, *, refined: bool, cached: bool = True, repeats: int = 3) -> PassCosts:
-        """The table of this plan's passes (`refined`: as earlier rounds refined it, where they did)."""
-
-        def draft_step(runner: LayerRunner, position: int) -> None:
-            logits = self.drafter.step(runner, 0, position)  # [1, vocab]
-            float(torch.softmax(logits[0], dim=-1).max())  # the confidence the policy reads
-
-        def measure(*, draft: bool) -> PassCosts:
-            if draft and self.plan.auto:  # an auto plan's draft times its reference set (`auto_layers.py` scales)
-                self.drafter.set_layers(self.plan.draft_layers(self.parts.num_layers))
-            with self.kernels():
-                return measure_pass_costs(
-                    lambda capacity: self._runner(capacity, keep=False),
-                    draft_step if draft else None,
-                    num_layers=self.parts.num_layers,
-                    vocab_size=self.parts.vocab_size,
-                    max_width=self.max_width,
-                    repeats=repeats,
-                    bucketed=self.step != "eager",  # the static step pads a pass to its bucket
-                    max_positions=self.parts.max_positions,
-                    draft_only=draft,
-                )
-
-        return self.cost_tables.load_or_measure(measure, max_width=self.max_width, cached=cached, refined=refined)
 
     def memory(self, *, context: int | None = None) -> MemoryReport:
         """Bytes held: weights as stored, the KV cache for `context` positions, the plan's head and vocabulary.
@@ -315,9 +245,6 @@ class SelfSpecModel:
         return memory_report(self.model, self.parts, context=context, head=self.head, vocab_tensors=vocab,
                              quantization=self.quantization)
 
-    def _save_refined(self, costs: RuntimeCosts) -> None:
-        self.cost_tables.save_refined(costs)
-
     def linear_kernels(self) -> LinearKernels:
         """How the linear layers run their passes here (`kernel_choice.py`)."""
         return self.kernel_choice.linear()
@@ -330,7 +257,8 @@ class SelfSpecModel:
         """The context every pass of this model runs in: the linear and attention kernels chosen here."""
         return self.kernel_choice.context()
 
-    def _policy(self, settings: GenerationSettings) -> DraftPolicy:
+    def policy_for(self, settings: GenerationSettings) -> DraftPolicy:
+        """The policy one generation decides its drafts with (`policy.py`), and what it starts from."""
         # A seed must reproduce a sample, and a reproducible wrapper its greedy output: then decide from the table
         # and the tokens alone, never from timing noise or earlier calls. Otherwise greedy runs learn from every
         # round (greedy output is the target's whatever is drafted, up to rounding at a near-tie).
@@ -394,11 +322,11 @@ class SelfSpecModel:
         prompts = check_prompts(input_ids, attention_mask, vocab_size=self.model.get_input_embeddings().num_embeddings,
                                 device=self.parts.lm_head.weight.device)
         if len(prompts) > 1 or len(prompts[0]) < input_ids.shape[1]:
-            return self._generate_rows(input_ids, prompts, generation_config=generation_config,
-                                       logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-                                       streamer=streamer, generator=generator, tokenizer=tokenizer, kwargs=kwargs)
+            return generate_rows(self, input_ids, prompts, generation_config=generation_config,
+                                 logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                                 streamer=streamer, generator=generator, tokenizer=tokenizer, kwargs=kwargs)
         prompt = prompts[0]
-        self._check_context(len(prompt), None)
+        self.check_context(len(prompt), None)
         device = self.parts.lm_head.weight.device
         settings = resolve_settings(
             self.model,
@@ -411,20 +339,15 @@ class SelfSpecModel:
             device=device,
             kwargs=kwargs,
         )
-        self._check_context(len(prompt), settings.max_new_tokens)
+        self.check_context(len(prompt), settings.max_new_tokens)
         if streamer is not None:
             streamer.put(input_ids.cpu())
         with self.kernels():
-            tokens, self.last_stats = self._decode(prompt, settings, streamer, generator)
+            tokens, self.last_stats = decode_sequence(self, prompt, settings, streamer, generator)
         if streamer is not None:
             streamer.end()
         sequences = torch.tensor([tokens], dtype=torch.long, device=input_ids.device)  # int64, as transformers
         return settings.output(sequences)  # the tensor, or an object with .sequences (return_dict_in_generate)
-
-    def _reuses_prefixes(self) -> bool:
-        """Whether one sequence's generation uses the prefix cache: the eager step, no feature head (whose
-        first entry after a stored prefix would need the target's state there)."""
-        return self.prefix is not None and self.step == "eager" and not isinstance(self.head, FeatureHead)
 
     def batch_session(self) -> BatchSession:
         """Sequences that decode together, joining (`add`) and leaving at round boundaries (`batch.py`).
@@ -435,144 +358,9 @@ class SelfSpecModel:
         `session.step()` runs one round for every row and returns the rows
         that finished.
         """
-        if self.plan.drafts and (self.plan.tree or self.plan.recycle):
-            warnings.warn(f"plan {self.describe_plan()!r}: a batch drafts chains (its rows take no token trees "
-                          f"or recycled nodes); one sequence drafts them", stacklevel=2)
-        return BatchSession(self.parts, self.plan, settings_for=self._row_settings, costs_for=self._batch_costs,
-                            check_context=self._check_context, linear=self.linear_kernels(),
-                            attention=self.attention_kernels(), draft_layers=self._batch_draft_layers(),
-                            head=self.head, vocab=self.vocab, prefix=self.prefix)
+        return open_session(self)
 
-    def _row_settings(self, prompt: list[int], *, logits_processor, stopping_criteria, kwargs,
-                      generation_config=None, tokenizer=None) -> GenerationSettings:
-        device = self.parts.lm_head.weight.device
-        return resolve_settings(self.model, prompt=torch.tensor([prompt], dtype=torch.long, device=device),
-                                has_attention_mask=True, generation_config=generation_config,
-                                logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-                                tokenizer=tokenizer, device=device, kwargs=kwargs)
-
-    def _batch_costs(self, rows: int, learn: bool) -> RuntimeCosts:
-        """What a pass over `rows` rows costs here, by width, and a draft step over them: measured once per row
-        count (and cached on disk)."""
-        return self.cost_tables.batch_costs(rows, learn and not self.reproducible, injected=self.injected_costs,
-                                            width=self.plan.draft_length + 1, draft_layers=self._batch_draft_layers(),
-                                            draft=self.describe_plan(), head=self.head, vocab=self.vocab)
-
-    def _batch_draft_layers(self) -> tuple[int, ...]:
-        """The layers a batch's draft step runs: the plan's (an auto plan's reference set), or 0..E-1 and a head."""
-        layers = self.plan.draft_layers(self.parts.num_layers)
-        if isinstance(self.head, FeatureHead):
-            layers = (self.head.slot,)
-        elif self.head is not None:
-            layers = (*range(self.head.exit_layer), self.head.slot)
-        return tuple(layers)
-
-    def _generate_rows(self, input_ids: torch.Tensor, prompts: list[list[int]], *, generation_config,
-                       logits_processor, stopping_criteria, streamer, generator, tokenizer, kwargs):
-        """A left-padded batch: every row in one `BatchSession`; the output padded as `model.generate` pads it."""
-        if streamer is not None and len(prompts) > 1:
-            raise ValueError(f"a streamer takes one sequence; this batch has {len(prompts)} "
-                             f"(valid: batch size 1 with a streamer, as transformers' streamers)")
-        device = self.parts.lm_head.weight.device
-        padded = input_ids.to(device)
-        # The length rule counts the padded prompt, as model.generate does; each row then gets that many new tokens.
-        whole = resolve_settings(self.model, prompt=padded[:1], has_attention_mask=True,
-                                 generation_config=generation_config, logits_processor=None, stopping_criteria=None,
-                                 tokenizer=tokenizer, device=device, kwargs=kwargs)
-        row_kwargs = {k: v for k, v in kwargs.items() if k != "max_length"}
-        row_kwargs["max_new_tokens"] = whole.max_new_tokens
-        if generation_config is not None:
-            generation_config = copy.deepcopy(generation_config)
-            generation_config.max_length = None
-        session = self.batch_session()
-        clock = Clock(self.parts.device)
-        rows = [session.add(prompt, streamer=streamer, stopping_criteria=stopping_criteria,
-                            logits_processor=logits_processor, generator=generator,
-                            generation_config=generation_config, tokenizer=tokenizer, **row_kwargs)
-                for prompt in prompts]
-        while len(session):
-            session.step()
-        stats = session.stats
-        stats.total_seconds = clock.total()
-        stats.plan = self.describe_plan()
-        self.last_stats = stats
-        pad = whole.config._pad_token_tensor
-        pad = int(pad.reshape(-1)[0]) if pad is not None else min(whole.eos_token_ids, default=0)
-        longest = max(len(row.new_tokens) for row in rows)
-        new = [row.new_tokens + [pad] * (longest - len(row.new_tokens)) for row in rows]
-        sequences = torch.cat([input_ids.long(), torch.tensor(new, dtype=torch.long, device=input_ids.device)], dim=1)
-        return whole.output(sequences)
-
-    def _decode(
-        self, prompt: list[int], settings: GenerationSettings, streamer, generator
-    ) -> tuple[list[int], GenerationStats]:
-        if self.plan.auto:  # every generation chooses its layers afresh, from the set the cost table timed
-            self.drafter.set_layers(self.plan.draft_layers(self.parts.num_layers))
-            self.passes.exact_prefix = self.drafter.exact_prefix
-        self.passes.probe = None
-        policy = self._policy(settings)  # first: measuring the costs (once) uses a runner of its own
-        capacity = len(prompt) + settings.max_new_tokens + self.max_width  # room for the widest verify pass
-        runner = self._runner(capacity)
-        runner.weights_read = 0  # a kept (graphed) runner counted the generations before
-        auto = None
-        if self.plan.auto and isinstance(policy, LayerChoosingPolicy):  # the prefill reports every layer's change to it
-            weights, head = self.layer_weights
-            auto = AutoLayers(self.drafter, self.passes, layer_weights=weights, head_weight=head,
-                              device=self.parts.device, probe_verify=not isinstance(runner, GraphedRunner))
-        successors = None
-        if self.plan.recycle and self.plan.drafts:
-            successors = SuccessorTable() if settings.do_sample or self.reproducible else self.successors
-            policy.count_recording(successors)
-        scorer = Scorer(settings, generator)
-        out = Output(prompt, settings, streamer)
-        stats = GenerationStats(plan=self.describe_plan())
-        capture_before = runner.capture_seconds if isinstance(runner, GraphedRunner) else 0.0
-        clock = Clock(self.parts.device)
-
-        # Prefill: the prompt through every layer (from a stored prefix, if one starts it); its last row gives
-        # the first new token.
-        reused = 0
-        if self._reuses_prefixes():
-            reused, entries = self.prefix.lookup(prompt)
-            if reused:
-                runner.cache.restore(entries, reused)
-        stats.cached_tokens = reused
-        first_scores = scorer.scores(self.passes.prefill(runner, prompt, reused), out.tokens, len(out.tokens))
-        if successors is not None:
-            successors.record(chain_contexts(prompt, []), first_scores)
-        out.emit([scorer.target_choice(first_scores)])
-        stats.verify_passes += 1
-        stats.prefill_seconds = clock.lap()
-
-        decoding = Decoding(runner, self.drafter, self.passes, policy, scorer, out, stats, self.plan.draft_length,
-                            auto=auto, successors=successors)
-        if self.step == "eager":
-            eager_rounds(decoding, clock)
-        else:
-            run_static_rounds(decoding)
-        self.passes.probe = None
-        if auto is not None:
-            stats.layer_sets = auto.describe()
-        stats.step = runner.describe() if isinstance(runner, GraphedRunner) else self.step
-        if isinstance(runner, GraphedRunner):
-            stats.capture_seconds = runner.capture_seconds - capture_before
-
-        stats.new_tokens = len(out.tokens) - len(prompt)
-        if self._reuses_prefixes():  # what the cache holds, for a later prompt that starts alike
-            held, entries = runner.cache.held(self.parts.num_layers)
-            self.prefix.add(out.tokens[:held], entries)
-        stats.total_seconds = clock.total()
-        plain_step = sum(runner.layer_bytes[: self.parts.num_layers]) + runner.head_bytes  # every layer, the head
-        stats.steps_read = runner.weights_read / plain_step
-        if policy.costs is not None and policy.costs.learn:  # the next process starts from what was learned
-            self._save_refined(policy.costs)
-        stats.policy = policy.describe()
-        stats.final_threshold = policy.threshold
-        if policy.costs is not None:
-            stats.costs = policy.costs.table.summary()
-        return out.tokens, stats
-
-    def _check_context(self, prompt_length: int, max_new_tokens: int | None) -> None:
+    def check_context(self, prompt_length: int, max_new_tokens: int | None) -> None:
         """The prompt, and the prompt with `max_new_tokens` more (when given), must fit in the context."""
         check_context(getattr(text_config(self.model.config), "max_position_embeddings", None), prompt_length,
                       max_new_tokens)

@@ -30,6 +30,7 @@ from transformers import LogitsProcessorList, NoRepeatNGramLogitsProcessor
 import selfspec
 from selfspec.batch import BATCH_MARGIN
 from selfspec.batch_draft import DraftRound
+from selfspec.batch_generate import batch_costs
 from selfspec.costs import PassCosts, RuntimeCosts
 from selfspec.testing import TINY_CONFIGS, random_prompt, tiny_model
 
@@ -207,15 +208,15 @@ def test_measured_batch_costs(tmp_path, monkeypatch):
     monkeypatch.setenv("SELFSPEC_COSTS_CACHE", str(tmp_path))
     model = tiny_model("llama", torch.float32)
     spec = selfspec.wrap(model, plan=NGRAM_LAYERS)
-    runtime = spec._batch_costs(3, True)
+    runtime = batch_costs(spec, 3, True)
     table = runtime.table
     assert table.max_width == NGRAM_LAYERS.draft_length + 1 and "3 rows" in table.machine
     assert all(b >= a for a, b in zip(table.verify, table.verify[1:]))
     assert list(tmp_path.glob("*.json"))  # cached on disk
-    assert spec._batch_costs(3, True).table is table  # and in memory
+    assert batch_costs(spec, 3, True).table is table  # and in memory
     assert not runtime.learn  # reproducible: the rounds' timings do not refine it
     refining = selfspec.wrap(model, plan=NGRAM_LAYERS, reproducible=False)
-    assert refining._batch_costs(3, True).learn and refining._batch_costs(3, True) is refining._batch_costs(3, True)
+    assert batch_costs(refining, 3, True).learn and batch_costs(refining, 3, True) is batch_costs(refining, 3, True)
     assert table.long_context == 1024 and len(table.verify_long) == table.max_width  # and at a long context
 
 

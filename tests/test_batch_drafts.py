@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import selfspec
+from selfspec.batch_generate import batch_costs
 from selfspec.testing import TINY_CONFIGS, make_feature_head, make_head, make_vocab, tiny_model
 from test_batch import alone, assert_rows_alone, repetitive
 
@@ -113,7 +114,7 @@ def test_rows_that_join_and_leave_keep_drafting_through_layers(kind, tmp_path):
 def test_the_measured_batch_table_prices_a_draft_step(tmp_path, monkeypatch):
     monkeypatch.setenv("SELFSPEC_COSTS_CACHE", str(tmp_path))
     spec = selfspec.wrap(tiny_model("llama", torch.float32), plan=THREE_LAYERS)
-    table = spec._batch_costs(2, True).table
+    table = batch_costs(spec, 2, True).table
     assert 0 < table.draft_step < table.verify[-1] and table.draft_long >= 0
     plain = selfspec.wrap(tiny_model("llama", torch.float32), plan=selfspec.DraftPlan(ngram=2, draft_length=4))
-    assert plain._batch_costs(2, True).table.draft_step == 0.0  # an n-gram plan drafts no layers
+    assert batch_costs(plain, 2, True).table.draft_step == 0.0  # an n-gram plan drafts no layers

@@ -7,6 +7,7 @@ import torch
 
 import selfspec
 import selfspec.engine as engine
+from selfspec import output
 from selfspec.testing import TINY_CONFIGS, random_prompt, tiny_model
 
 ARCHS = sorted(TINY_CONFIGS)
@@ -30,7 +31,7 @@ def test_cache_after_every_round_equals_plain_decoding(arch, plan, monkeypatch):
             super().__init__(*args, **kwargs)
             runners.append(self)
 
-    original_emit = engine.Output.emit
+    original_emit = output.Output.emit
 
     def emit_and_snapshot(self, chunk):
         original_emit(self, chunk)
@@ -40,7 +41,7 @@ def test_cache_after_every_round_equals_plain_decoding(arch, plan, monkeypatch):
         )
 
     monkeypatch.setattr(engine, "LayerRunner", RecordingRunner)
-    monkeypatch.setattr(engine.Output, "emit", emit_and_snapshot)
+    monkeypatch.setattr(output.Output, "emit", emit_and_snapshot)
     prompt = random_prompt(7, seed=11)
     out = selfspec.wrap(model, plan=plan).generate(prompt, max_new_tokens=30)
 

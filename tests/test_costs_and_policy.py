@@ -309,7 +309,7 @@ def test_every_plan_prices_the_same_verify_passes_and_its_own_draft(tmp_path, mo
     runtime = spec._runtime_costs()
     for _ in range(RuntimeCosts.MIN_SEEN):
         runtime.observe_verify(1, 0, first.step * 3)
-    spec._save_refined(runtime)
+    spec.cost_tables.save_refined(runtime)
     assert selfspec.wrap(model, plan=many, reproducible=False).costs.step == pytest.approx(first.step * 3)
     assert selfspec.wrap(model, plan=many).costs.step == first.step  # a reproducible one reads it as measured
 
@@ -334,7 +334,7 @@ def test_plans_of_other_widths_share_the_passes_timed_for_the_widest(tmp_path, m
     for _ in range(RuntimeCosts.MIN_SEEN):  # this machine runs every pass at twice the table's time
         for width in (1, 2, 3, 4):
             runtime.observe_verify(width, 0, runtime.table.verify[width - 1] * 2)
-    spec._save_refined(runtime)
+    spec.cost_tables.save_refined(runtime)
     after = selfspec.wrap(model, plan=wide, reproducible=False).costs
     assert after.source == "cached" and after.max_width == 9
     assert list(after.verify) == pytest.approx([2 * t for t in timed.verify])  # the wider widths: same shape
@@ -434,10 +434,10 @@ def test_a_seed_reproduces_its_sample_whatever_the_timings(plan, monkeypatch):
     """Rounds timed at random (a machine under bursts of load): a seeded sample is the same every time."""
     import random
 
-    from selfspec import engine
+    from selfspec import output
 
     jitter = random.Random(0)
-    monkeypatch.setattr(engine.Clock, "lap", lambda self: jitter.choice([1e-4, 1e-3, 1e-2, 1.0]))
+    monkeypatch.setattr(output.Clock, "lap", lambda self: jitter.choice([1e-4, 1e-3, 1e-2, 1.0]))
     model = tiny_model("llama")
     prompt = random_prompt(8, seed=5).repeat(1, 3)
     spec = selfspec.wrap(model, plan=plan)

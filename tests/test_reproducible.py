@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import selfspec
-from selfspec import engine
+from selfspec import cost_tables, output
 from selfspec.costs import PassCosts
 from selfspec.stats import GenerationStats
 from selfspec.testing import random_prompt, tiny_model
@@ -45,9 +45,9 @@ def jittered(monkeypatch, tmp_path):
     """Cost tables measured (deterministically) into an empty cache; every round timed at random; and each
     round's (drafted, accepted, source) recorded in `rounds`."""
     monkeypatch.setenv("SELFSPEC_COSTS_CACHE", str(tmp_path))
-    monkeypatch.setattr(engine, "measure_pass_costs", fake_measurement)
+    monkeypatch.setattr(cost_tables, "measure_pass_costs", fake_measurement)
     jitter = random.Random(0)
-    monkeypatch.setattr(engine.Clock, "lap", lambda self: jitter.choice([1e-5, 1e-4, 1e-3, 1e-2, 1e-1]))
+    monkeypatch.setattr(output.Clock, "lap", lambda self: jitter.choice([1e-5, 1e-4, 1e-3, 1e-2, 1e-1]))
     rounds: list[tuple] = []
     record = GenerationStats.record_round
 
@@ -112,7 +112,7 @@ def test_a_reproducible_generation_leaves_the_cached_tables_as_measured(tmp_path
     measured = selfspec.wrap(model, plan=plan).costs
     files = {path.name: path.read_text() for path in tmp_path.glob("*.json")}
     assert len(files) == 2  # the passes, the plan's draft step
-    monkeypatch.setattr(engine.Clock, "lap", lambda self: 0.5)  # every round far slower than the table says
+    monkeypatch.setattr(output.Clock, "lap", lambda self: 0.5)  # every round far slower than the table says
     spec = selfspec.wrap(model, plan=plan)
     for _ in range(2):
         spec.generate(prompt_for(1), max_new_tokens=24)
@@ -133,10 +133,10 @@ def test_measuring_afresh_replaces_the_cached_tables(tmp_path, monkeypatch):
     plan = PLANS[0]
     spec = selfspec.wrap(model, plan=plan)
     before = spec.costs
-    monkeypatch.setattr(engine.Clock, "lap", lambda self: 0.5)
+    monkeypatch.setattr(output.Clock, "lap", lambda self: 0.5)
     selfspec.wrap(model, plan=plan, reproducible=False).generate(prompt_for(1), max_new_tokens=12)
     assert len(list(tmp_path.glob("*.json"))) == 4  # measured and refined
-    monkeypatch.setattr(engine, "measure_pass_costs", fake_measurement)
+    monkeypatch.setattr(cost_tables, "measure_pass_costs", fake_measurement)
     fresh = spec.measure_costs(cached=False)
     assert fresh.verify != before.verify and fresh.source == "measured"
     assert spec.costs.verify == fresh.verify  # this wrapper decides with the new table from now on ...
