@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix-cache", default="1GiB", help="the server's --prefix-cache (default 1GiB, its default)")
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--bursts", type=int, default=4, help="send the requests in this many bursts, RSS read at rest "
+                   "after each (default 4)")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds one request may take (default 180)")
     p.add_argument("--rss-tolerance", type=float, default=0.10)
     p.add_argument("--seed", type=int, default=0)
@@ -252,7 +254,13 @@ def main(argv: list[str] | None = None) -> int:
         before, _ = at_rest(url, server.pid, settle=2.0)
         print(f"RSS: {rss_ready:.0f} MiB ready, {before:.0f} MiB after warm-up", flush=True)
         started = time.perf_counter()
-        results = asyncio.run(run_clients(url, requests, args.clients, args.timeout))
+        results, bursts = [], []
+        size = -(-len(requests) // args.bursts)
+        for first in range(0, len(requests), size):
+            results += asyncio.run(run_clients(url, requests[first : first + size], args.clients, args.timeout))
+            rest, _ = at_rest(url, server.pid, settle=2.0)
+            bursts.append(round(rest, 1))
+            print(f"RSS at rest after {len(results)} requests: {rest:.0f} MiB", flush=True)
         seconds = time.perf_counter() - started
         for result, (kind, body) in zip(results, requests):
             if kind == "seeded":
@@ -262,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         server.terminate()
         server.wait(timeout=60)
     summary = summarize(results, before, after, gauges, args)
-    summary.update(seconds=round(seconds, 1), rss_ready_mib=round(rss_ready, 1), command=sys.argv,
+    summary.update(seconds=round(seconds, 1), rss_ready_mib=round(rss_ready, 1), rss_at_rest_per_burst_mib=bursts,
+                   command=sys.argv,
                    machine=cpu_model(), capability=cpu_capability(), date=datetime.now(timezone.utc).isoformat())
     for key, value in summary.items():
         print(f"{key}: {value}")

@@ -40,6 +40,27 @@ def _bytes(entries: Entries) -> int:
     return sum(t.numel() * t.element_size() for pair in entries if pair is not None for t in pair)
 
 
+def _one_block(entries: Entries, length: int) -> Entries:
+    """Copies of the first `length` positions of `entries`, every layer's keys and values in one allocation: a
+    dropped sequence then frees one block, not a few small ones per layer scattered through the heap (which a
+    long-running server could not hand back to the system)."""
+    parts = [t[:, :length] for pair in entries if pair is not None for t in pair]
+    if not parts:
+        return list(entries)
+    if any(t.dtype != parts[0].dtype or t.device != parts[0].device for t in parts):  # no one block: copy each
+        return [None if pair is None else (pair[0][:, :length].clone(), pair[1][:, :length].clone())
+                for pair in entries]
+    block = torch.empty(sum(t.numel() for t in parts), dtype=parts[0].dtype, device=parts[0].device)
+    copies, start = [], 0
+    for t in parts:
+        copy = block[start : start + t.numel()].view(t.shape)
+        copy.copy_(t)
+        copies.append(copy)
+        start += t.numel()
+    it = iter(copies)
+    return [None if pair is None else (next(it), next(it)) for pair in entries]
+
+
 def _common(a: tuple[int, ...], b: list[int], limit: int) -> int:
     """How many leading tokens `a` and `b` share, at most `limit`."""
     n = min(len(a), limit)
@@ -88,11 +109,11 @@ class PrefixCache:
             elif len(stored) > len(key) and stored[: len(key)] == key:
                 self.store.move_to_end(stored)  # already held, in a longer sequence
                 return
-        copied = [None if pair is None else (pair[0][:, : len(key)].clone(), pair[1][:, : len(key)].clone())
-                  for pair in entries]
-        size = _bytes(copied)
+        parts = [t[:, : len(key)] for pair in entries if pair is not None for t in pair]
+        size = sum(t.numel() * t.element_size() for t in parts)
         if size > self.budget:
             return
+        copied = _one_block(entries, len(key))
         self.store[key] = copied
         self.bytes += size
         while self.bytes > self.budget:

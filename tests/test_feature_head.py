@@ -59,8 +59,8 @@ def test_the_heads_cache_holds_what_the_targets_states_give(arch, step, tmp_path
     plan = selfspec.DraftPlan(head=str(path), draft_length=4, policy="fixed")
     spec = selfspec.wrap(model, plan=plan, step=step)
     runners = []
-    make = spec._runner
-    spec._runner = lambda capacity, keep=True: runners.append(make(capacity, keep=keep)) or runners[-1]
+    make = spec.runner_for
+    spec.runner_for = lambda capacity, keep=True: runners.append(make(capacity, keep=keep)) or runners[-1]
     prompt = random_prompt(9, seed=4)
     out = spec.generate(prompt, max_new_tokens=30)
     assert spec.last_stats.layer_drafted > spec.last_stats.layer_accepted  # rejected drafts were rolled back

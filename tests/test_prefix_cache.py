@@ -41,6 +41,23 @@ def test_the_store_keeps_to_its_budget_least_recently_used_out_first():
     assert store.lookup([8, 8])[0] == 0 and store.stats.hits == 2 and store.stats.lookups == 3
 
 
+def test_a_stored_sequence_is_one_allocation_holding_copies():
+    """Every layer's keys and values of a stored sequence live in one block (a dropped sequence frees one
+    allocation, not scattered small ones), as copies of the positions given."""
+    store = PrefixCache(budget=1 << 20)
+    given = [(torch.arange(24.0).view(1, 12, 2) + 100 * i, -torch.arange(24.0).view(1, 12, 2) - 100 * i)
+             for i in range(3)]
+    store.add([1] * 10, [*given[:2], None, given[2]])
+    held = store.store[(1,) * 10]
+    assert held[2] is None and store.bytes == 3 * 2 * 10 * 2 * 4
+    tensors = [t for pair in held if pair is not None for t in pair]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    for (k, v), (gk, gv) in zip([held[0], held[1], held[3]], given):
+        assert torch.equal(k, gk[:, :10]) and torch.equal(v, gv[:, :10])
+    given[0][0].zero_()  # copies: the caller's tensors may change afterwards
+    assert held[0][0][0, 1, 0] == 2.0
+
+
 def test_a_bad_budget_is_refused():
     model = tiny_model("llama", torch.float32)
     with pytest.raises(ValueError, match="not a size"):

@@ -203,7 +203,7 @@ class BodyLimit:
                 return
             body += message.get("body", b"")
             if len(body) > self.limit:
-                await self.refuse(scope, receive, send)
+                await self.refuse(scope, receive, send, more=message.get("more_body", False))
                 return
             if not message.get("more_body", False):
                 break
@@ -218,10 +218,11 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def refuse(self, scope, receive, send, *, declared: int = 0) -> None:
-        """Answer 413. The rest of the body is read and dropped first (up to `DRAIN_BYTES`): a server that answers
-        and closes while a body still arrives resets the connection, and the client may never read the 413."""
-        if declared <= DRAIN_BYTES:
+    async def refuse(self, scope, receive, send, *, declared: int = 0, more: bool = True) -> None:
+        """Answer 413. The rest of the body, if `more` of it is still to come, is read and dropped first (up to
+        `DRAIN_BYTES`): a server that answers and closes while a body still arrives resets the connection, and the
+        client may never read the 413."""
+        if more and declared <= DRAIN_BYTES:
             drained = 0
             while drained <= DRAIN_BYTES:
                 message = await receive()
