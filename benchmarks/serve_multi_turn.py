@@ -61,6 +61,13 @@ def streamed_turn(url: str, messages: list[dict], max_tokens: int, timeout: floa
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
 
 
+def parted_at(a: str, b: str) -> int | None:
+    """The first character where two answers differ; None where they are the same."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def conversation(urls: dict[str, str], doc: str, turns: int, max_tokens: int, timeout: float, log) -> list[dict]:
     messages, rows = [], []
     for t in range(turns):
@@ -72,13 +79,16 @@ def conversation(urls: dict[str, str], doc: str, turns: int, max_tokens: int, ti
         row = {"turn": t + 1, "prompt_tokens": warm["prompt_tokens"], "cached_tokens": warm["cached_tokens"],
                "cached_tokens_no_cache": cold["cached_tokens"], "ttft_cache": warm["ttft"],
                "ttft_no_cache": cold["ttft"], "decode_cache": warm["decode_tok_s"],
-               "decode_no_cache": cold["decode_tok_s"], "same": warm["text"] == cold["text"]}
+               "decode_no_cache": cold["decode_tok_s"], "same": warm["text"] == cold["text"],
+               "parted_at": parted_at(warm["text"], cold["text"]), "answer_cache": warm["text"],
+               "answer_no_cache": cold["text"]}
         rows.append(row)
         messages.append({"role": "assistant", "content": warm["text"]})
         log(f"  turn {row['turn']}: {row['prompt_tokens']} prompt tokens, {row['cached_tokens']} cached; time to "
             f"first token {row['ttft_cache']:.2f} s with the cache, {row['ttft_no_cache']:.2f} s without "
             f"({row['ttft_cache'] / row['ttft_no_cache']:.2f}x); decode {row['decode_cache']:.1f} / "
-            f"{row['decode_no_cache']:.1f} tok/s; same answer: {row['same']}")
+            f"{row['decode_no_cache']:.1f} tok/s; same answer: {row['same']}"
+            + ("" if row["same"] else f" (they part at character {row['parted_at']})"))
     return rows
 
 

@@ -93,6 +93,12 @@ class BatchSession:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def restart_stats(self) -> BatchStats:
+        """Start the session's totals anew and return the old ones: a long-lived session (a server's) would
+        otherwise keep every finished row's stats for ever."""
+        done, self.stats = self.stats, BatchStats()
+        return done
+
     def prepare(self, max_rows: int) -> None:
         """Measure (or load) the batched pass costs for 1..max_rows rows now, not in a request's first round."""
         if self.max_draft:

@@ -10,14 +10,16 @@
 - Extras of a plan: an exit head's float layer, a draft vocabulary's K
   gathered LM-head rows (and their ids).
 
-This module counts bytes and can hand freed memory back to the system
-(`give_back_freed`); it does not allocate anything or know the decode loop.
+This module counts bytes, can hand freed memory back to the system
+(`give_back_freed`) and bound the CPU kernel caches of a long-lived process
+(`bound_kernel_caches`); it does not allocate anything or know the decode loop.
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
+import os
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +29,10 @@ from .offload import describe_layers, offloaded_layers
 from .parts import ModelParts, text_config
 
 MIB = 2**20
+# oneDNN's primitive cache and ideep's matmul cache keep a compiled kernel per GEMM shape, up to 1,024 each by
+# default. A server prefills prompts of every length, so each new length adds entries that stay.
+KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+SERVER_KERNEL_CACHE = 128  # shapes kept by each: a batch's decode widths fit, old prefill lengths leave
 
 
 @dataclass(frozen=True)
@@ -123,3 +129,13 @@ def give_back_freed(device: torch.device | str = "cpu") -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim this way
         pass
+
+
+def bound_kernel_caches(capacity: int = SERVER_KERNEL_CACHE) -> dict[str, str]:
+    """Bound oneDNN's and ideep's kernel caches to `capacity` shapes each (least recently used leave), so that
+    a process that sees ever new GEMM shapes (a server) keeps a flat RSS. Both libraries read their variable
+    once, at the process's first oneDNN call: call this before it. A value already in the environment wins.
+    Returns the values in force."""
+    for name in KERNEL_CACHE_VARIABLES:
+        os.environ.setdefault(name, str(capacity))
+    return {name: os.environ[name] for name in KERNEL_CACHE_VARIABLES}

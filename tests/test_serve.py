@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import socket
 import threading
@@ -446,8 +447,13 @@ def test_an_idle_server_holds_no_kv_and_hands_freed_memory_back(tiny, monkeypatc
     hands what the requests freed back to the system, once per burst rather than once per request."""
     from selfspec.serving import scheduler as scheduler_module
 
-    returned = []
+    from selfspec.serving import generation
+
+    returned, sessions = [], []
     monkeypatch.setattr(scheduler_module, "give_back_freed", lambda device: returned.append(device))
+    make_session = generation.Engine.session
+    monkeypatch.setattr(generation.Engine, "session",
+                        lambda self, rows: sessions.append(make_session(self, rows)) or sessions[-1])
     results: dict = {}
     with serving(*tiny, plan=PLAN, max_queue=64, max_batch=max_batch) as handle:
         handle.gate.clear()
@@ -464,7 +470,27 @@ def test_an_idle_server_holds_no_kv_and_hands_freed_memory_back(tiny, monkeypatc
         assert handle.metric("selfspec_kv_cache_bytes") == 0
         assert handle.metric("selfspec_idle_memory_returns_total") == len(returned) < len(contents)
         assert handle.metric("process_resident_memory_bytes") > 0
+        assert all(not session.stats.row_stats for session in sessions)  # nor every finished row's stats
     assert all(results[c].choices[0].message.content == reference(tiny, chat_ids(tiny[1], c)) for c in contents)
+
+
+def test_serve_bounds_the_kernel_caches_before_the_model_loads(monkeypatch):
+    """`selfspec serve` bounds oneDNN's and ideep's kernel caches before any pass (they read the variable once);
+    a value the user set is kept."""
+    from selfspec.cli import main
+    from selfspec.memory import KERNEL_CACHE_VARIABLES, SERVER_KERNEL_CACHE
+
+    seen = {}
+
+    def load(*args, **kwargs):
+        seen.update({name: os.environ.get(name) for name in KERNEL_CACHE_VARIABLES})
+        raise FileNotFoundError("stop here")
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
+    monkeypatch.setattr(selfspec, "load", load)
+    assert main(["serve", "/no/such/model"]) == 2
+    assert seen == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(SERVER_KERNEL_CACHE), "LRU_CACHE_CAPACITY": "7"}
 
 
 def test_an_emptied_batch_session_drops_its_cache_everywhere(tiny):
@@ -476,6 +502,8 @@ def test_an_emptied_batch_session_drops_its_cache_everywhere(tiny):
     while len(session):
         session.step()
     assert session.runner is None and session.layers.runner is None and session.kv_cache_bytes() == 0
+    finished = session.restart_stats()
+    assert len(finished.row_stats) == 2 and finished.new_tokens > 0 and not session.stats.row_stats
 
 
 def test_batched_seeded_sampling_reproduces_alone(batched):

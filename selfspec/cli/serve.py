@@ -73,7 +73,10 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     import selfspec
+    from ..memory import bound_kernel_caches
     from ..serving import create_app
+
+    bound_kernel_caches()  # before any pass: prompts of every length would otherwise each keep their kernels
 
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty (valid: a non-empty key)")

@@ -187,7 +187,8 @@ class Scheduler:
                 self.running = list(rows.values())
             self.metrics.batch_size.set(len(rows))
             self.metrics.kv_cache_bytes.set(session.kv_cache_bytes())
-            if not rows:
+            if not rows:  # the answers carried each row's stats: the long-lived session keeps none
+                session.restart_stats()
                 self._idle()
                 continue
             self.metrics.batch_rounds.inc()
@@ -207,7 +208,8 @@ class Scheduler:
                 self.running = list(rows.values())
             self.metrics.batch_size.set(len(rows))
             self.metrics.kv_cache_bytes.set(session.kv_cache_bytes())
-            if not rows:
+            if not rows:  # the answers carried each row's stats: the long-lived session keeps none
+                session.restart_stats()
                 self._idle()
 
     def _next_batch(self) -> list[Job]:
