@@ -1,24 +1,25 @@
 """Batched generation: several sequences, each with its own draft and acceptance rule, over one cache of rows.
 
-A `BatchSession` holds the sequences that decode together (`BatchRow`: its
-tokens and stopping rules, its scorer, its stats). A row joins with `add`
-(its prefill, one pass of its own) and leaves when done; `step` runs one
-round for every row:
+A `BatchSession` holds the sequences that decode together (`BatchRow`). A
+row joins with `add` (its own prefill) and leaves when done; `step` runs
+one round for every row:
 
 1. draft: each row's proposal from the plan's sources (`batch_draft.py`):
    its n-gram copy, else the plan's layers, all rows in one draft pass a token;
 2. choose: one verify width, by expected tokens per second;
-3. verify: one pass of the full model over `[rows, width]`, padded;
-4. accept: per row, the greedy prefix rule or the rejection rule;
-5. roll back: each row's length moves to what it kept (O(1));
-6. emit, record (every source learns), and drop the rows that finished.
+3. verify: one pass of the full model over `[rows, width]`, padded; with the
+   plan's `tree`, a row whose chain is shorter than the width verifies its
+   other n-gram continuations in that room, as a token tree;
+4. accept: per row, the greedy or the rejection rule (a tree's for a tree);
+5. roll back: each row's length moves to what it kept (a tree's kept path
+   is moved into place first);
+6. emit, record (every source learns), drop the rows that finished.
 
-The cache (`batch_runner.py`) is the target's own, a row per sequence.
 Greedy rows equal `model.generate` on their prompt alone; sampling rows keep
 the target's distribution.
 
-Not in a batch: token trees and recycled nodes (rows draft chains), the
-static step and CUDA graphs, a verify pass resuming after the exact prefix.
+Not in a batch: layer trees and recycled nodes, the static step and CUDA
+graphs, a verify pass resuming after the exact prefix.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from .acceptance import accept_greedy, accept_sampling
 from .batch_draft import BATCH_MARGIN, BatchRow, DraftRound, DraftSource, LayerRows, NgramRows
 from .batch_runner import BatchRunner
+from .draft import TREE_BRANCHES
 from .cpu_kernels import NO_ATTENTION_CHANGE, NO_CHANGE, AttentionKernels, LinearKernels, cpu_kernels
 from .costs import PassCosts, RuntimeCosts
 from .feature_head import FeatureHead
@@ -43,6 +45,7 @@ from .prefix_cache import PrefixCache
 from .policy import AcceptanceEstimates, Calibration
 from .scoring import Scorer
 from .stats import BatchStats
+from .tree import TokenTree, accept_tree_greedy, accept_tree_sampling
 from .vocab import DraftVocab
 
 GROW_BLOCK = 256  # new-token positions a row is given room for at a time (the cache grows as rows need more)
@@ -72,7 +75,10 @@ class BatchSession:
         self.linear, self.attention = linear, attention
         self.head = head if draft_layers else None
         self.sources: list[DraftSource] = []
-        self.ngram = NgramRows(plan.ngram) if plan.drafts and plan.ngram else None
+        # With the plan's `tree`, a row's other n-gram continuations fill the room its chain leaves in the pass.
+        self.trees = bool(plan.tree) and not isinstance(head, FeatureHead)
+        self.ngram = (NgramRows(plan.ngram, branches=TREE_BRANCHES if self.trees else 1)
+                      if plan.drafts and plan.ngram else None)
         self.layers = None
         if plan.drafts and draft_layers:
             threshold = plan.threshold if plan.policy == "fixed" and plan.adaptive else None
@@ -179,14 +185,18 @@ class BatchSession:
             k = max(k, batch.layer_steps)
         drafts = [d.tokens[:k] for d in batch.drafts]
         width = 1 + max(len(d) for d in drafts)
+        # A row whose chain is shorter than the pass is wide verifies its other continuations there, as a tree.
+        trees = [d.tree(len(chain), width - 1) if self.trees else None for d, chain in zip(batch.drafts, drafts)]
         draft_seconds = clock.lap()
-        # 3. verify: one pass over [rows, width], each row its last token and its draft, padded
+        # 3. verify: one pass over [rows, width], each row its last token and its draft (chain or tree), padded
+        nodes = [list(tree.tokens) if tree else chain for tree, chain in zip(trees, drafts)]
         ids = [[row.out.tokens[-1], *d] + [row.out.tokens[-1]] * (width - 1 - len(d))
-               for row, d in zip(self.rows, drafts)]
+               for row, d in zip(self.rows, nodes)]
         features = isinstance(self.head, FeatureHead)
         before = torch.cat([row.feature for row in self.rows]) if features else None  # [n, 1, hidden]
         logits = self.runner.forward_rows(torch.tensor(ids, device=self.runner.positions.device), batch.starts,
-                                          slice(0, n), head=self.head, before=before)  # [n, width, vocab]
+                                          slice(0, n), head=self.head, before=before,
+                                          trees=trees if any(trees) else None)  # [n, width, vocab]
         verify_seconds = clock.lap()
         if batch.costs is not None:
             batch.costs.observe_verify(width, 0, verify_seconds)
@@ -196,27 +206,22 @@ class BatchSession:
         self.acceptance.decay(layers_drafted=any(d and s.source == "layers" for d, s in zip(drafts, batch.drafts)))
         self.calibration.decay()
         accepted = 0
-        for i, (row, draft) in enumerate(zip(self.rows, drafts)):
-            # 4. accept, with the row's own scores
-            scores = row.scorer.scores(logits[i, : len(draft) + 1], row.out.tokens + draft, len(row.out.tokens))
-            if row.scorer.do_sample:
-                q = batch.drafts[i].q(len(draft), scores.shape[-1], scores.device)  # [k, vocab]
-                verdict = accept_sampling(draft, q, row.scorer.probs(scores), row.scorer.generator)
+        for i, (row, draft, tree) in enumerate(zip(self.rows, drafts, trees)):
+            # 4. accept, with the row's own scores; 5. roll back: the row keeps its last token and what it accepted
+            if tree is not None:
+                kept, first_path = self._accept_tree(i, row, tree, logits[i, : len(tree) + 1], batch.starts[i])
             else:
-                verdict = accept_greedy(draft, scores)
-            # 5. roll back: the row keeps its last token and the accepted drafted tokens
-            self.runner.cache.lengths[i] = batch.starts[i] + 1 + verdict.accepted
-            if features:  # f at the row's last cached position
-                row.feature = self.runner.fused[i : i + 1, verdict.accepted : verdict.accepted + 1]
+                kept = self._accept_chain(i, row, batch.drafts[i], draft, logits[i, : len(draft) + 1],
+                                          batch.starts[i])
+                first_path = len(kept) - 1
             # 6. emit and record
-            kept = draft[: verdict.accepted] + [verdict.next_token]
             row.out.emit(kept)
-            source = batch.drafts[i].source if draft else "layers"
-            row.stats.record_round(drafted=len(draft), accepted=verdict.accepted, draft_seconds=draft_seconds / n,
-                                   verify_seconds=verify_seconds / n, source=source)
+            source = "ngram tree" if tree is not None else batch.drafts[i].source if draft else "layers"
+            row.stats.record_round(drafted=len(tree) if tree else len(draft), accepted=len(kept) - 1,
+                                   draft_seconds=draft_seconds / n, verify_seconds=verify_seconds / n, source=source)
             for learner in self.sources:
                 learner.learn(batch, i, len(draft), kept)
-            accepted += verdict.accepted
+            accepted += first_path  # what the cut's pricing predicted for (a tree's branches come on top)
             if row.done:
                 finished.append(row)
         if k:
@@ -227,6 +232,34 @@ class BatchSession:
         self.stats.draft_passes += batch.layer_steps
         self._finish(finished)
         return finished
+
+    def _accept_chain(self, i: int, row: BatchRow, proposal, draft: list[int], logits: torch.Tensor,
+                      start: int) -> list[int]:
+        """Row i's verdict on its chain `draft` from `logits` `[len(draft) + 1, vocab]`: the kept tokens (the
+        accepted ones, then the target's), its cache cut to them."""
+        scores = row.scorer.scores(logits, row.out.tokens + draft, len(row.out.tokens))
+        if row.scorer.do_sample:
+            q = proposal.q(len(draft), scores.shape[-1], scores.device)  # [k, vocab]
+            verdict = accept_sampling(draft, q, row.scorer.probs(scores), row.scorer.generator)
+        else:
+            verdict = accept_greedy(draft, scores)
+        self.runner.cache.lengths[i] = start + 1 + verdict.accepted
+        if isinstance(self.head, FeatureHead):  # f at the row's last cached position
+            row.feature = self.runner.fused[i : i + 1, verdict.accepted : verdict.accepted + 1]
+        return draft[: verdict.accepted] + [verdict.next_token]
+
+    def _accept_tree(self, i: int, row: BatchRow, tree: TokenTree, logits: torch.Tensor,
+                     start: int) -> tuple[list[int], int]:
+        """Row i's verdict on its n-gram `tree` from `logits` `[len(tree) + 1, vocab]`: the kept tokens and how
+        many of them the first path gave; the kept path's entries moved into place (`tree.py`'s rules: greedy,
+        or recursive rejection for fixed candidates)."""
+        scores = row.scorer.tree_scores(logits, row.out.tokens, tree)  # [n + 1, vocab]
+        if row.scorer.do_sample:
+            path, token = accept_tree_sampling(tree, row.scorer.probs(scores), row.scorer.generator)
+        else:
+            path, token = accept_tree_greedy(tree, scores)
+        self.runner.cache.keep_path(i, start, path)
+        return tree.path_tokens(path) + [token], tree.first_path_kept(path)
 
     def _round(self) -> DraftRound:
         """This round's draft state: each row's position and budget, and the costs and acceptance it decides by.

@@ -38,6 +38,7 @@ from .costs import RuntimeCosts
 from .policy import AcceptanceEstimates
 from .scoring import Scorer
 from .stats import GenerationStats
+from .tree import TokenTree
 from .vocab import DraftVocab
 
 
@@ -79,6 +80,15 @@ class RowDraft:
     confidences: list[float] = field(default_factory=list)  # per layer token: the draft's top probability
     match_length: int = 0  # an n-gram proposal's match length (`ngram.matched_length`)
     proposal: list[int] = field(default_factory=list)  # an n-gram proposal uncut (its tokens no pass saw are judged)
+    paths: list[list[int]] = field(default_factory=list)  # n-gram continuations, `tokens` first (branches for a tree)
+
+    def tree(self, k: int, nodes: int) -> TokenTree | None:
+        """The row's first k tokens, then its other continuations (cut at depth k) as branches, up to `nodes`
+        nodes: the room a batch's verify pass has beside this row's chain. None where that is a chain."""
+        if len(self.paths) < 2 or k < 1 or nodes <= k:
+            return None
+        tree = TokenTree.from_paths([path[:k] for path in self.paths], max_nodes=nodes)
+        return None if tree.is_chain else tree
 
     def q(self, k: int, vocab_size: int, device) -> torch.Tensor:
         """q `[k, vocab]` of the first k tokens: the draft's distributions, or one-hot for a copy."""
@@ -152,10 +162,12 @@ class DraftSource(Protocol):
 
 
 class NgramRows:
-    """Each row's prompt lookup (`ngram.NgramIndex`) over its own tokens: copies cost no pass."""
+    """Each row's prompt lookup (`ngram.NgramIndex`) over its own tokens: copies cost no pass. With `branches`,
+    a row also keeps its other continuations (`RowDraft.paths`), which a round may verify as a tree."""
 
-    def __init__(self, max_ngram: int) -> None:
+    def __init__(self, max_ngram: int, branches: int = 1) -> None:
         self.max_ngram = max_ngram
+        self.branches = branches
 
     def index(self) -> NgramIndex:
         return NgramIndex(self.max_ngram)
@@ -164,9 +176,11 @@ class NgramRows:
         for row, budget, draft in zip(batch.rows, batch.budgets, batch.drafts):
             if budget < 1 or draft.source:
                 continue
-            tokens, match = row.ngrams.match(row.out.tokens, budget=budget)
-            if tokens:
+            paths, match = row.ngrams.continuations(row.out.tokens, budget=budget, branches=self.branches)
+            if paths:
+                tokens = paths[0]
                 draft.source, draft.tokens, draft.match_length, draft.proposal = "ngram", list(tokens), match, list(tokens)
+                draft.paths = [list(path) for path in paths]
                 draft.odds = [batch.acceptance.ngram_token(match, j + 1) for j in range(len(tokens))]
 
     def learn(self, batch: DraftRound, i: int, verified: int, kept: list[int]) -> None:

@@ -29,8 +29,9 @@ from .output import Clock
 def open_session(spec) -> BatchSession:
     """`spec.batch_session()`: a session over the wrapper `spec`'s model, plan and kernels."""
     if spec.plan.drafts and (spec.plan.tree or spec.plan.recycle):
-        warnings.warn(f"plan {spec.describe_plan()!r}: a batch drafts chains (its rows take no token trees "
-                      f"or recycled nodes); one sequence drafts them", stacklevel=3)
+        warnings.warn(f"plan {spec.describe_plan()!r}: a batch drafts chains and verifies n-gram trees only in "
+                      f"the room its chains leave (no layer trees or recycled nodes); one sequence drafts them",
+                      stacklevel=3)
 
     return BatchSession(spec.parts, spec.plan, settings_for=functools.partial(row_settings, spec),
                         costs_for=lambda rows, learn: batch_costs(spec, rows, learn),

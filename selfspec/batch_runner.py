@@ -23,6 +23,7 @@ from .feature_head import FeatureHead
 from .head import ExitHead
 from .parts import ModelParts, soft_cap
 from .runner import LayerRunner
+from .tree import TokenTree
 from .vocab import DraftVocab
 
 
@@ -93,6 +94,19 @@ class BatchedKVCache:
         n = self.lengths[row]
         return [None if k is None else (k[row, :, :n], v[row, :, :n]) for k, v in zip(self.keys, self.values)]
 
+    def keep_path(self, row: int, start: int, path: list[int]) -> None:
+        """After a tree's verify pass: row `row`'s kept `path` (node indices; node i's entries at start + 1 + i)
+        moves to start + 1.., in every layer, and the row holds start + 1 + len(path) positions."""
+        if any(node != i for i, node in enumerate(path)):
+            end = start + 1 + len(path)
+            source = None  # [len(path)] slots, gathered (a copy) before the write
+            for buffer in (*self.keys, *self.values):
+                if buffer is not None:
+                    if source is None:
+                        source = torch.tensor([start + 1 + node for node in path], device=buffer.device)
+                    buffer[row, :, start + 1 : end] = buffer[row, :, source]
+        self.lengths[row] = start + 1 + len(path)
+
     def remove_row(self, row: int) -> None:
         """Drop `row`: the last active row moves into its place (its valid entries only)."""
         last = self.count - 1
@@ -129,10 +143,12 @@ def _zeros_like_rows(states: torch.Tensor, rows: int, capacity: int) -> torch.Te
 
 @dataclass
 class RowPass:
-    """One pass over a block of rows: row j's q tokens at slots `slots[j]` (`[r, q]`), their rotary tables and
-    the masks (made once per sliding window a pass meets)."""
+    """One pass over a block of rows: row j's q tokens written at slots `slots[j]` (`[r, q]`) and sitting at
+    `positions[j]` (the slots, or a tree's start + depth), their rotary tables and the masks (made once per
+    sliding window a pass meets)."""
 
     slots: torch.Tensor  # [r, q] int64
+    positions: torch.Tensor  # [r, q] int64
     rotary: dict
     mask_for: Callable[[int | None], torch.Tensor | None]
     masks: dict = field(default_factory=dict)
@@ -157,51 +173,71 @@ class BatchRunner(LayerRunner):
             self.positions = torch.arange(self.cache.capacity, device=self.positions.device)[None]  # [1, capacity]
             self.rotary = self.rotary_tables(self.positions)
 
-    def begin_pass(self, starts: list[int], q: int, rows: slice) -> RowPass:
-        """Point the cache at `rows`, row j writing q entries from starts[j]; its layers attend to what it may see."""
+    def begin_pass(self, starts: list[int], q: int, rows: slice,
+                   trees: list[TokenTree | None] | None = None) -> RowPass:
+        """Point the cache at `rows`, row j writing q entries from starts[j]; its layers attend to what it may see.
+
+        Where `trees[j]` is a tree (`tree.py`) of n < q nodes, row j's first
+        n + 1 tokens are its root and nodes: node rows sit at start + depth and
+        see, of the pass's own entries, only their ancestors.
+        """
         r = len(starts)
         device = self.positions.device
         slots = torch.tensor(starts, device=device)[:, None] + torch.arange(q, device=device)  # [r, q]
+        trees = [tree if tree is not None and not tree.is_chain else None for tree in (trees or [None] * r)]
+        positions = slots
+        if any(trees):
+            depths = [list(range(q)) if tree is None else tree.depths() + list(range(len(tree) + 1, q))
+                      for tree in trees]
+            positions = torch.tensor(starts, device=device)[:, None] + torch.tensor(depths, device=device)
         cache = self.cache
         cache.rows, cache.write_slots, cache.span = rows, slots, max(starts) + q
         cache.write_rows = torch.arange(r, device=device)[:, None].expand(r, q)  # [r, q]
-        rotary = {kind: tuple(t[0][slots] for t in table) for kind, table in self.rotary.items()}  # [r, q, dim]
+        rotary = {kind: tuple(t[0][positions] for t in table) for kind, table in self.rotary.items()}  # [r, q, dim]
         keys = torch.arange(cache.span, device=device)  # [span]
 
         def mask_for(window: int | None) -> torch.Tensor | None:
             # One row at one position sees every key of its span, and one row's prefill is causal: no mask (the
             # kernels that one-token steps and prefills use).
-            if r == 1 and ((q == 1 and window is None) or self.causal_prefill(starts[0], q, window)):
+            if r == 1 and not any(trees) and ((q == 1 and window is None)
+                                              or self.causal_prefill(starts[0], q, window)):
                 return None
             allowed = keys[None, None] <= slots[:, :, None]  # [r, q, span]
-            if window is not None:
-                allowed &= keys[None, None] > slots[:, :, None] - window
+            for j, tree in enumerate(trees):
+                if tree is not None:  # within the tree's rows, each sees itself and its ancestors
+                    n = len(tree) + 1
+                    allowed[j, :n, starts[j] : starts[j] + n] = tree.visibility().to(device)
+            if window is not None:  # an ancestor sits within a tree's depth of its node, inside any window
+                allowed &= keys[None, None] > positions[:, :, None] - window
             return self.row_mask(allowed)
 
-        return RowPass(slots, rotary, mask_for)
+        return RowPass(slots, positions, rotary, mask_for)
 
     def embed_rows(self, ids: torch.Tensor, step: RowPass) -> torch.Tensor:
         """`[r, q, hidden]` input embeddings of `ids` `[r, q]` at the pass's slots."""
         hidden = self.parts.embed(ids)
         if self.parts.position_embed is not None:  # learned absolute positions (GPT-2)
-            hidden = hidden + self.parts.position_embed(step.slots)
+            hidden = hidden + self.parts.position_embed(step.positions)
         return hidden
 
     def run_rows(self, hidden: torch.Tensor, layers, step: RowPass) -> torch.Tensor:
         """`layers` in order on `hidden` `[r, q, hidden]`, writing their entries at the pass's slots."""
-        return self.run_layers(hidden, layers, mask_for=step.mask, rotary=step.rotary, position_ids=step.slots)
+        return self.run_layers(hidden, layers, mask_for=step.mask, rotary=step.rotary, position_ids=step.positions)
 
     def forward_rows(self, ids: torch.Tensor, starts: list[int], rows: slice, *, last: bool = False,
-                     head: ExitHead | FeatureHead | None = None, before: torch.Tensor | None = None) -> torch.Tensor:
+                     head: ExitHead | FeatureHead | None = None, before: torch.Tensor | None = None,
+                     trees: list[TokenTree | None] | None = None) -> torch.Tensor:
         """Float32 logits `[r, q, vocab]` of the full model over `ids` `[r, q]`; row j's tokens at starts[j]..
 
         Each row must hold exactly `starts[j]` valid entries; after the pass it
-        holds starts[j] + q (the caller crops to what it keeps). `last`: the
+        holds starts[j] + q (the caller crops to what it keeps, and moves a
+        tree's kept path into place: `BatchedKVCache.keep_path`). `last`: the
         logits of the last position only, `[r, 1, vocab]` (a prefill). With an
         exit `head` (layer N), the head is run on the states after its exit
-        layer, so its entries cover every token the pass wrote.
+        layer, so its entries cover every token the pass wrote. `trees`: see
+        `begin_pass` (not with a feature head).
         """
-        step = self.begin_pass(starts, ids.shape[1], rows)
+        step = self.begin_pass(starts, ids.shape[1], rows, trees)
         hidden = self.embed_rows(ids, step)  # [r, q, hidden]
         first = 0
         if isinstance(head, FeatureHead):

@@ -21,6 +21,8 @@ Sampling per row is tested statistically in `test_sampling.py`.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -32,11 +34,15 @@ from selfspec.batch import BATCH_MARGIN
 from selfspec.batch_draft import DraftRound
 from selfspec.batch_generate import batch_costs
 from selfspec.costs import PassCosts, RuntimeCosts
+from selfspec.ngram import NgramIndex
 from selfspec.testing import TINY_CONFIGS, random_prompt, tiny_model
 
 ARCHS = sorted(TINY_CONFIGS)
 NGRAM = selfspec.DraftPlan(ngram=2, draft_length=4, policy="fixed")  # n-gram drafts only (no layers)
 NGRAM_LAYERS = selfspec.DraftPlan(ngram=3, layers=(0,), draft_length=5)  # n-grams first, then layer 0
+# n-gram chains, and trees of other continuations in the room a shorter chain leaves in the pass
+NGRAM_TREES = selfspec.DraftPlan(ngram=2, tree=6, draft_length=4, policy="fixed")
+NGRAM_LAYERS_TREES = selfspec.DraftPlan(ngram=2, layers=(0,), tree=6, draft_length=5)
 
 
 def repetitive(length: int, seed: int) -> list[int]:
@@ -80,7 +86,8 @@ def assert_rows_alone(model, spec, prompts: list[list[int]], **kwargs) -> torch.
 @given(data=st.data())
 def test_batch_rows_equal_each_prompt_alone(arch, data):
     model = tiny_model(arch, torch.float64)
-    plan = data.draw(st.sampled_from([selfspec.DraftPlan.plain(), NGRAM, NGRAM_LAYERS]), label="plan")
+    plan = data.draw(st.sampled_from([selfspec.DraftPlan.plain(), NGRAM, NGRAM_LAYERS, NGRAM_TREES, NGRAM_LAYERS_TREES]),
+                     label="plan")
     costs = data.draw(st.sampled_from([None, "flat", "linear"]), label="costs")
     spec = selfspec.wrap(model, plan=plan, costs=costs)
     rows = data.draw(st.integers(2, 4), label="rows")
@@ -90,6 +97,39 @@ def test_batch_rows_equal_each_prompt_alone(arch, data):
     stats = spec.last_stats
     assert len(stats.row_stats) == rows and stats.new_tokens == sum(s.new_tokens for s in stats.row_stats)
     assert stats.tokens_per_pass >= 1.0 - 1e-9
+
+
+def scripted_continuations(references: list[list[int]], seed: int, vocab: int = 97):
+    """An `NgramIndex.continuations` that proposes, for the row whose reference (prompt + greedy output) the
+    tokens start, a random chain of random length first, then the reference's own continuation, then another
+    random one: trees whose kept path runs through a branch, beside chains of other lengths."""
+    rng = random.Random(seed)
+
+    def continuations(self, tokens, *, budget, branches):
+        full = next(r for r in references if r[: len(tokens)] == tokens)
+        truth = full[len(tokens) : len(tokens) + budget]
+        paths = [[rng.randrange(vocab) for _ in range(rng.randint(1, budget))], truth,
+                 [rng.randrange(vocab) for _ in range(budget)]]
+        return [path for path in paths if path][:branches], 2
+
+    return continuations
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("plan", [NGRAM_TREES, NGRAM_LAYERS_TREES], ids=["ngram", "ngram+layers"])
+def test_ngram_trees_fill_the_room_chains_leave_and_rows_stay_exact(arch, plan, monkeypatch):
+    """A row whose n-gram chain is shorter than the batch's widest draft verifies its other continuations in
+    that room, as a token tree (at other positions than its slots, seeing only its ancestors; the kept path's
+    entries moved into place): every row still equals `model.generate` on its prompt alone (float64), and the
+    target kept tokens from branches."""
+    model = tiny_model(arch, torch.float64)
+    prompts = [repetitive(n, seed=s) for n, s in ((14, 1), (9, 2), (5, 3))]
+    references = [p + alone(model, p, max_new_tokens=24) for p in prompts]
+    monkeypatch.setattr(NgramIndex, "continuations", scripted_continuations(references, seed=len(arch)))
+    spec = selfspec.wrap(model, plan=plan, costs="flat")
+    assert_rows_alone(model, spec, prompts, max_new_tokens=24)
+    stats = spec.last_stats.row_stats
+    assert sum(s.tree_rounds for s in stats) > 0 and sum(s.tree_accepted for s in stats) > 0, stats
 
 
 def test_ngram_drafts_are_verified_and_some_rejected():

@@ -25,8 +25,9 @@ What is tested
    the target's probabilities recorded earlier in the same generation).
    An engine that always accepts the draft must fail the same check.
    A batch of two rows of other lengths (`batch.py`; n-gram drafts, layer
-   drafts, a head with a draft vocabulary): each row's first four tokens
-   follow its own exact law; always-accept fails it.
+   drafts, a head with a draft vocabulary, n-gram trees in the room
+   shorter chains leave): each row's first four tokens follow its own exact
+   law; always-accept, and a tree rule that keeps the first path, fail it.
 3. Seeded runs reproduce exactly (explicit generator; global seed).
 4. Plain sampling (draft_length=0) and drafted sampling both run.
 
@@ -44,13 +45,14 @@ c = ln(2 V / DELTA), so each check falsely fails with probability at most
 DELTA = 1e-7, whatever the number of cells. A cell with p_i = 0 that is ever
 observed gives KL = inf: an impossible token fails the check outright.
 
-This file runs CHECKS_IN_FILE = 216 such checks on samples whose law is the
+This file runs CHECKS_IN_FILE = 232 such checks on samples whose law is the
 reference law (test 1: 6 pairs for each of the two implementations of the
 rule, the host one and the device one of the static step, + 4 Markov-chain
 checks + 1 token-tree check + 7 checks that the wrong-rule harnesses produce
 the wrong rules' own exact laws; test 2: 13 cases x 8, three of them on the
-static step; + 16 checks of a batch's two rows for each of 3 batch plans), so over
-random seeds the whole file would falsely fail with probability at most 176 * 1e-7 = 1.8e-5. All seeds are fixed, so the outcome is
+static step; + 16 checks of a batch's two rows for each of 4 batch plans and for
+batched n-gram trees), so over random seeds the whole file would falsely fail with probability at most
+232 * 1e-7 = 2.3e-5. All seeds are fixed, so the outcome is
 deterministic anyway.
 
 Power (a wrong sampler must fail): in test 1 a wrong rule is only run on
@@ -72,6 +74,7 @@ import collections
 import copy
 import itertools
 import math
+import random
 
 import pytest
 import torch
@@ -84,12 +87,13 @@ import selfspec.rounds
 import selfspec.auto_layers
 import selfspec.static_loop
 from selfspec.acceptance import Verdict, accept_sampling, accept_sampling_on_device, sample
+from selfspec.ngram import NgramIndex
 from selfspec.stats import GenerationStats
 from selfspec.testing import make_feature_head, make_head, make_vocab
 from selfspec.tree import TokenTree, accept_tree_sampling, accept_tree_sampling_on_device
 
 DELTA = 1e-7  # false-failure probability bound of one `assert_distribution` check
-CHECKS_IN_FILE = 216  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
+CHECKS_IN_FILE = 232  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -626,7 +630,7 @@ def batch_run_many(spec, n: int, seed: int, prompts: list[torch.Tensor], **sampl
     ids = torch.cat([torch.cat([torch.zeros(1, width - p.shape[1], dtype=torch.long), p], dim=1) for p in prompts])
     mask = torch.tensor([[0] * (width - p.shape[1]) + [1] * p.shape[1] for p in prompts])
     counts = [torch.zeros((VOCAB,) * NEW, dtype=torch.long) for _ in prompts]
-    totals = dict(drafted=0, accepted=0, recovered=0, bonus=0)
+    totals = dict(drafted=0, accepted=0, recovered=0, bonus=0, tree_rounds=0, tree_accepted=0)
     for _ in range(n):
         out = spec.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True, generator=g, **sampling)
         for row, row_counts in enumerate(counts):
@@ -679,6 +683,59 @@ def test_batched_check_has_power(model, monkeypatch):
     assert totals["accepted"] == totals["drafted"] > 0
     with pytest.raises(AssertionError, match="differs from the exact one"):
         assert_joint_matches(counts[0], exact_joint(model, LogitsProcessorList([]), NEW, TREE_PROMPT), "always")
+
+
+BATCH_TREES = selfspec.DraftPlan(ngram=1, tree=4, draft_length=3, policy="fixed")
+
+
+def scripted_trees(monkeypatch, seed: int) -> None:
+    """Every row's n-gram lookup proposes three random continuations (fixed candidates, drawn from a random
+    source of their own): of the full budget for `TREE_PROMPT`'s row, of random depths with a first one of a
+    single token for `PROMPT`'s, so that row verifies a tree in the room the other's chain leaves."""
+    rng = random.Random(seed)
+    short = PROMPT[0].tolist()
+
+    def continuations(self, tokens, *, budget, branches):
+        first = 1 if tokens[: len(short)] == short else budget
+        return [[rng.randrange(VOCAB) for _ in range(rng.randint(1, budget) if i else first)]
+                for i in range(3)][:branches], 1
+
+    monkeypatch.setattr(NgramIndex, "continuations", continuations)
+
+
+def test_batched_sampling_over_ngram_trees_keeps_each_rows_law(model, monkeypatch):
+    """Rows verify n-gram trees in the room shorter chains leave (`batch.py`): each row's first 4 tokens follow
+    its own exact law at T=0.9 (16 checks, 8 per row, at DELTA = 1e-7, N = 1,000 batches)."""
+    scripted_trees(monkeypatch, seed=5)
+    prompts = [TREE_PROMPT, PROMPT]
+    spec = selfspec.wrap(model, plan=BATCH_TREES, costs="flat")
+    counts, totals = batch_run_many(spec, N_E2E, seed=19, prompts=prompts, temperature=0.9)
+    assert totals["tree_rounds"] > 0 and totals["tree_accepted"] > 0, totals
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.9)])
+    for row, (prompt, row_counts) in enumerate(zip(prompts, counts)):
+        assert_joint_matches(row_counts, exact_joint(model, warpers, NEW, prompt), f"batch trees: row {row}")
+
+
+def keep_the_first_path(tree, target_probs, generator=None):
+    """WRONG rule: keep the tree's first path whole (`from_paths` puts it first), then draw from p."""
+    path = [0]
+    while len(path) < len(tree) and tree.parents[len(path)] == path[-1]:
+        path.append(len(path))
+    return path, int(torch.multinomial(target_probs[path[-1] + 1].float(), 1, generator=generator))
+
+
+def test_batched_tree_check_has_power(model, monkeypatch):
+    """A batch whose tree rule keeps the first path whatever the target says must fail the same check (400
+    batches)."""
+    import selfspec.batch
+
+    scripted_trees(monkeypatch, seed=5)
+    monkeypatch.setattr(selfspec.batch, "accept_tree_sampling", keep_the_first_path)
+    spec = selfspec.wrap(model, plan=BATCH_TREES, costs="flat")
+    counts, totals = batch_run_many(spec, 400, seed=19, prompts=[TREE_PROMPT, PROMPT])
+    assert totals["tree_rounds"] > 0, totals
+    with pytest.raises(AssertionError, match="differs from the exact one"):
+        assert_joint_matches(counts[1], exact_joint(model, LogitsProcessorList([]), NEW, PROMPT), "wrong trees")
 
 
 # -- 3. and 4. seeds and plans -------------------------------------------------------------------
