@@ -35,7 +35,7 @@ from selfspec.batch_draft import DraftRound
 from selfspec.batch_generate import batch_costs
 from selfspec.costs import PassCosts, RuntimeCosts
 from selfspec.ngram import NgramIndex
-from selfspec.testing import TINY_CONFIGS, random_prompt, tiny_model
+from selfspec.testing import TINY_CONFIGS, make_head, random_prompt, tiny_model
 
 ARCHS = sorted(TINY_CONFIGS)
 NGRAM = selfspec.DraftPlan(ngram=2, draft_length=4, policy="fixed")  # n-gram drafts only (no layers)
@@ -116,13 +116,16 @@ def scripted_continuations(references: list[list[int]], seed: int, vocab: int = 
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("plan", [NGRAM_TREES, NGRAM_LAYERS_TREES], ids=["ngram", "ngram+layers"])
-def test_ngram_trees_fill_the_room_chains_leave_and_rows_stay_exact(arch, plan, monkeypatch):
+@pytest.mark.parametrize("plan", [NGRAM_TREES, NGRAM_LAYERS_TREES, "head"], ids=["ngram", "ngram+layers", "ngram+head"])
+def test_ngram_trees_fill_the_room_chains_leave_and_rows_stay_exact(arch, plan, monkeypatch, tmp_path):
     """A row whose n-gram chain is shorter than the batch's widest draft verifies its other continuations in
     that room, as a token tree (at other positions than its slots, seeing only its ancestors; the kept path's
-    entries moved into place): every row still equals `model.generate` on its prompt alone (float64), and the
-    target kept tokens from branches."""
+    entries moved into place, an exit head's too): every row still equals `model.generate` on its prompt alone
+    (float64), and the target kept tokens from branches."""
     model = tiny_model(arch, torch.float64)
+    if plan == "head":  # the head's own cache row moves with the kept path, or its next drafts read stale entries
+        head = make_head(model, tmp_path / "head", exit_layer=1, noise=0.05)
+        plan = selfspec.DraftPlan(ngram=2, exit_layer=1, head=str(head), tree=6, draft_length=4, policy="fixed")
     prompts = [repetitive(n, seed=s) for n, s in ((14, 1), (9, 2), (5, 3))]
     references = [p + alone(model, p, max_new_tokens=24) for p in prompts]
     monkeypatch.setattr(NgramIndex, "continuations", scripted_continuations(references, seed=len(arch)))

@@ -416,21 +416,28 @@ def test_batched_rounds_serve_several_requests_at_once(batched, tiny):
     assert batched.scheduler.running == [] and batched.metric("selfspec_kv_cache_bytes") == 0  # rows freed
 
 
+def concurrent_chats(handle, contents: list[str]) -> dict:
+    """Each content's chat from a thread of its own, the first held until all have arrived (so the others queue
+    behind it and join its rounds); their responses by content."""
+    results: dict = {}
+    handle.gate.clear()
+    threads = [threading.Thread(target=lambda c=c: results.setdefault(c, chat(handle, c))) for c in contents]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: len(handle.scheduler.running) + handle.scheduler.queue_depth == len(contents),
+               "every request to arrive")
+    handle.gate.set()
+    for thread in threads:
+        thread.join(timeout=60)
+    return results
+
+
 def test_a_batch_of_eight_drafts_with_the_plans_layers(tiny):
     """`--max-batch 8` with a layer plan: concurrent requests share rounds, draft through the layers, and each
     answers `model.generate`'s text; /metrics counts the layer tokens."""
     contents = ["w10 w11 w12", "w13", "w14 w15 w14 w15", "w16 w17"]
-    results: dict = {}
     with serving(*tiny, plan=PLAN, max_queue=64, max_batch=8) as handle:
-        handle.gate.clear()  # hold the first request so the others queue behind it and join its rounds
-        threads = [threading.Thread(target=lambda c=c: results.setdefault(c, chat(handle, c))) for c in contents]
-        for thread in threads:
-            thread.start()
-        wait_until(lambda: len(handle.scheduler.running) + handle.scheduler.queue_depth == len(contents),
-                   "every request to arrive")
-        handle.gate.set()
-        for thread in threads:
-            thread.join(timeout=60)
+        results = concurrent_chats(handle, contents)
         layers = handle.metric('selfspec_source_drafted_tokens_total{source="layers"}')
         accepted = handle.metric('selfspec_source_accepted_tokens_total{source="layers"}')
         rows = handle.metric("selfspec_batch_rows_total") / handle.metric("selfspec_batch_rounds_total")
@@ -445,27 +452,16 @@ def test_a_batch_of_eight_drafts_with_the_plans_layers(tiny):
 def test_an_idle_server_holds_no_kv_and_hands_freed_memory_back(tiny, monkeypatch, max_batch):
     """After a burst, the idle server keeps no KV cache (nor a layer source a stale runner holding one) and
     hands what the requests freed back to the system, once per burst rather than once per request."""
-    from selfspec.serving import scheduler as scheduler_module
-
-    from selfspec.serving import generation
+    from selfspec.serving import generation, scheduler as scheduler_module
 
     returned, sessions = [], []
     monkeypatch.setattr(scheduler_module, "give_back_freed", lambda device: returned.append(device))
     make_session = generation.Engine.session
     monkeypatch.setattr(generation.Engine, "session",
                         lambda self, rows: sessions.append(make_session(self, rows)) or sessions[-1])
-    results: dict = {}
+    contents = ["w20 w21", "w22", "w23 w24 w23"]
     with serving(*tiny, plan=PLAN, max_queue=64, max_batch=max_batch) as handle:
-        handle.gate.clear()
-        contents = ["w20 w21", "w22", "w23 w24 w23"]
-        threads = [threading.Thread(target=lambda c=c: results.setdefault(c, chat(handle, c))) for c in contents]
-        for thread in threads:
-            thread.start()
-        wait_until(lambda: len(handle.scheduler.running) + handle.scheduler.queue_depth == len(contents),
-                   "every request to arrive")
-        handle.gate.set()
-        for thread in threads:
-            thread.join(timeout=60)
+        results = concurrent_chats(handle, contents)
         wait_until(lambda: handle.metric("selfspec_idle_memory_returns_total") >= 1, "the idle server to trim")
         assert handle.metric("selfspec_kv_cache_bytes") == 0
         assert handle.metric("selfspec_idle_memory_returns_total") == len(returned) < len(contents)
