@@ -137,3 +137,57 @@ def test_a_feature_head_prefills_whole(tmp_path):
     prompt = torch.cat([first, random_prompt(2, seed=9)], dim=1)
     assert torch.equal(spec.generate(prompt, max_new_tokens=8), greedy(model, prompt, 8))
     assert spec.last_stats.cached_tokens == 0
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one sequence", "a batch row"])
+def test_a_prefill_that_fails_midway_stores_nothing(batched, monkeypatch):
+    """A prefill that raises after its first layer wrote its entries leaves no entry in the store, and the next
+    call runs exact from a clean store."""
+    model = tiny_model("llama", torch.float64)
+    spec = selfspec.wrap(model, plan=NGRAM_LAYERS, prefix_cache="8MiB")
+    prompt = random_prompt(12, seed=8)
+    run_layers = LayerRunner.run_layers
+
+    def failing(self, hidden, layers, **kwargs):
+        if hidden.shape[1] == prompt.shape[1]:  # the prefill: one layer, then the failure
+            run_layers(self, hidden, list(layers)[:1], **kwargs)
+            raise RuntimeError("out of memory (simulated)")
+        return run_layers(self, hidden, layers, **kwargs)
+
+    monkeypatch.setattr(LayerRunner, "run_layers", failing)
+    with pytest.raises(RuntimeError, match="simulated"):
+        if batched:
+            spec.batch_session().add(prompt[0].tolist(), max_new_tokens=8)
+        else:
+            spec.generate(prompt, max_new_tokens=8)
+    assert len(spec.prefix) == 0 and spec.prefix.bytes == 0
+    monkeypatch.setattr(LayerRunner, "run_layers", run_layers)
+    assert torch.equal(spec.generate(prompt, max_new_tokens=8), greedy(model, prompt, 8))
+    assert spec.last_stats.cached_tokens == 0
+
+
+def test_a_row_stopped_early_stores_only_what_it_wrote():
+    """A row stopped by its criteria (a server's cancelled request) stores exactly its valid entries: a later
+    prompt that continues it reuses them and equals a cold call."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopAfter(StoppingCriteria):
+        def __init__(self, length: int) -> None:
+            self.length = length
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+    model = tiny_model("llama", torch.float64)
+    spec = selfspec.wrap(model, plan=NGRAM_LAYERS, prefix_cache="8MiB")
+    prompt = random_prompt(10, seed=9)[0].tolist()
+    session = spec.batch_session()
+    row = session.add(prompt, max_new_tokens=40, stopping_criteria=StoppingCriteriaList([StopAfter(15)]))
+    while len(session):
+        session.step()
+    written = prompt + row.new_tokens
+    (key, held), = spec.prefix.store.items()
+    assert list(key) == written[:-1] and all(k.shape[1] == len(key) for k, _ in held)
+    later = torch.tensor([written + [3, 4]])
+    assert torch.equal(spec.generate(later, max_new_tokens=10), greedy(model, later, 10))
+    assert spec.last_stats.cached_tokens == len(key)
