@@ -1,12 +1,12 @@
 """Batches of chat prompts through `spec.generate` under several plans, interleaved: speed and tokens per pass.
 
     python -m benchmarks.batch_plans                                  # the adapter plan with and without trees
-    python -m benchmarks.batch_plans --rows 4 --repeats 3 --variants "chains=tree:0" "plain=draft_length:0"
+    python -m benchmarks.batch_plans --rows 4 --repeats 3 --variants "chains=tree:0,recycle:false" plain
 
-Each variant is the adapter's plan with fields replaced (`name=field:value,...`);
-"default" is the plan itself. Every repeat runs each variant on the same
+Each variant is the adapter's plan with fields replaced (`name=field:value,...`;
+`plain` alone: drafting off); "default" is the plan itself. Every repeat runs each variant on the same
 batches of `--rows` left-padded Spec-Bench prompts (one per category, in
-turn), the order of the variants rotating. Reports per variant the median
+turn), the order of the variants rotating, after one warm-up batch each. Reports per variant the median
 new tokens per second over batches, tokens per row-pass, how many row-rounds
 verified a tree, and whether its outputs equal the default's. The figures
 belong to this machine: the header says which.
@@ -32,8 +32,10 @@ from .workload import DEFAULT_DATA, build_workload
 
 
 def variant(plan: selfspec.DraftPlan, spec: str) -> tuple[str, selfspec.DraftPlan]:
-    """`name=field:value,...` over `plan` (values read as JSON, else as text)."""
+    """`name=field:value,...` over `plan` (values read as JSON, else as text); `plain`: drafting off."""
     name, _, fields = spec.partition("=")
+    if name == "plain" and not fields:
+        return name, selfspec.DraftPlan.plain()
     changes = {}
     for item in filter(None, fields.split(",")):
         key, _, value = item.partition(":")
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=4, help="prompts per batch (default 4)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--variants", nargs="*", default=["chains=tree:0"])
+    p.add_argument("--variants", nargs="*", default=["chains=tree:0,recycle:false"])
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
     p.add_argument("--out", type=Path, default=Path("results"))
     args = p.parse_args(argv)
@@ -72,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(f"{k}: {v}" for k, v in header.items()), flush=True)
     results = {name: {"tok_s": [], "tokens_per_pass": [], "tree_rows": 0, "same": 0} for name in specs}
     tokenizer.padding_side = "left"
+    warm = tokenizer.pad({"input_ids": [p.input_ids[0].tolist() for p in batches[0]]}, return_tensors="pt")
+    for spec in specs.values():  # each wrapper measures (or loads) its batched pass costs here, not in a timing
+        spec.generate(**warm, max_new_tokens=8, do_sample=False)
     for repeat in range(args.repeats):
         for b, batch in enumerate(batches):
             enc = tokenizer.pad({"input_ids": [p.input_ids[0].tolist() for p in batch]}, return_tensors="pt")
