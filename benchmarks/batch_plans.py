@@ -28,7 +28,7 @@ import torch
 import selfspec
 from selfspec.costs import cpu_capability, cpu_model
 
-from .workload import DEFAULT_DATA, build_workload
+from .workload import DEFAULT_DATA, build_workload, save_results
 
 
 def variant(plan: selfspec.DraftPlan, spec: str) -> tuple[str, selfspec.DraftPlan]:
@@ -101,10 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: median {statistics.median(r['tok_s']):.1f} tok/s, "
               f"{statistics.median(r['tokens_per_pass']):.2f} tokens per row-pass, {r['tree_rows']} row-rounds "
               f"verified a tree, outputs as the default's in {r['same']}/{runs} batches", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{time.strftime('%Y%m%d-%H%M%S')}-batch-plans.json"
-    path.write_text(json.dumps({"header": header, "results": results}, indent=1))
-    print(f"written: {path}")
+    save_results(args.out, "batch-plans", header, results)
     return 0
 
 

@@ -31,7 +31,7 @@ import torch
 import selfspec
 from selfspec.costs import cpu_capability, cpu_model
 
-from .workload import DEFAULT_DATA
+from .workload import DEFAULT_DATA, save_results
 
 QUESTIONS = ("Summarise the document above in three sentences.", "Which people or organisations does it name?",
              "What happened first, according to the document?", "Suggest a short title for it.",
@@ -115,10 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         if later:
             print(f"  turns 2+: time to first token {statistics.median(later):.2f}x without the cache (median); "
                   f"answers the same on {sum(r['same'] for r in rows)}/{len(rows)} turns", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{time.strftime('%Y%m%d-%H%M%S')}-multi-turn.json"
-    path.write_text(json.dumps({"header": header, "results": results}, indent=1))
-    print(f"written: {path}")
+    save_results(args.out, "multi-turn", header, results)
     return 0
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,3 +150,12 @@ if __name__ == "__main__":
     kept = held_out(args.data, per_category=args.per_category, seed=args.seed)
     Path(args.held_out).write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
     print(f"{len(kept)} questions written to {args.held_out}")
+
+
+def save_results(out: Path, kind: str, header: dict, results) -> Path:
+    """Write `{"header": ..., "results": ...}` to out/<time>-<kind>.json, say where, and return the path."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{time.strftime('%Y%m%d-%H%M%S')}-{kind}.json"
+    path.write_text(json.dumps({"header": header, "results": results}, indent=1))
+    print(f"written: {path}")
+    return path
