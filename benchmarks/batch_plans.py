@@ -6,7 +6,8 @@
 Each variant is the adapter's plan with fields replaced (`name=field:value,...`;
 `plain` alone: drafting off); "default" is the plan itself. Every repeat runs each variant on the same
 batches of `--rows` left-padded Spec-Bench prompts (one per category, in
-turn), the order of the variants rotating, after one warm-up batch each. Reports per variant the median
+turn), the order of the variants rotating, after each wrapper's batched pass costs
+for 1..rows rows are measured (or loaded) and one warm-up batch. Reports per variant the median
 new tokens per second over batches, tokens per row-pass, how many row-rounds
 verified a tree, and whether its outputs equal the default's. The figures
 belong to this machine: the header says which.
@@ -75,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {name: {"tok_s": [], "tokens_per_pass": [], "tree_rows": 0, "same": 0} for name in specs}
     tokenizer.padding_side = "left"
     warm = tokenizer.pad({"input_ids": [p.input_ids[0].tolist() for p in batches[0]]}, return_tensors="pt")
-    for spec in specs.values():  # each wrapper measures (or loads) its batched pass costs here, not in a timing
+    for spec in specs.values():  # each wrapper measures (or loads) its batched pass costs for 1..rows rows here,
+        spec.batch_session().prepare(args.rows)  # not inside a timed batch whose rows finish one by one
         spec.generate(**warm, max_new_tokens=8, do_sample=False)
     for repeat in range(args.repeats):
         for b, batch in enumerate(batches):
