@@ -76,8 +76,8 @@ class BatchSession:
         self.head = head if draft_layers else None
         self.sources: list[DraftSource] = []
         # With the plan's `tree`, a row's other n-gram continuations fill the room its chain leaves in the pass.
-        self.trees = bool(plan.tree) and not isinstance(head, FeatureHead)
-        self.ngram = (NgramRows(plan.ngram, branches=TREE_BRANCHES if self.trees else 1)
+        trees = bool(plan.tree) and not isinstance(head, FeatureHead)
+        self.ngram = (NgramRows(plan.ngram, branches=TREE_BRANCHES if trees else 1)
                       if plan.drafts and plan.ngram else None)
         self.layers = None
         if plan.drafts and draft_layers:
@@ -186,7 +186,7 @@ class BatchSession:
         drafts = [d.tokens[:k] for d in batch.drafts]
         width = 1 + max(len(d) for d in drafts)
         # A row whose chain is shorter than the pass is wide verifies its other continuations there, as a tree.
-        trees = [d.tree(len(chain), width - 1) if self.trees else None for d, chain in zip(batch.drafts, drafts)]
+        trees = [d.tree(len(chain), width - 1) for d, chain in zip(batch.drafts, drafts)]  # None: a chain
         draft_seconds = clock.lap()
         # 3. verify: one pass over [rows, width], each row its last token and its draft (chain or tree), padded
         nodes = [list(tree.tokens) if tree else chain for tree, chain in zip(trees, drafts)]

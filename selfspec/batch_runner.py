@@ -23,7 +23,7 @@ from .feature_head import FeatureHead
 from .head import ExitHead
 from .parts import ModelParts, soft_cap
 from .runner import LayerRunner
-from .tree import TokenTree
+from .tree import TokenTree, move_path
 from .vocab import DraftVocab
 
 
@@ -95,16 +95,9 @@ class BatchedKVCache:
         return [None if k is None else (k[row, :, :n], v[row, :, :n]) for k, v in zip(self.keys, self.values)]
 
     def keep_path(self, row: int, start: int, path: list[int]) -> None:
-        """After a tree's verify pass: row `row`'s kept `path` (node indices; node i's entries at start + 1 + i)
-        moves to start + 1.., in every layer, and the row holds start + 1 + len(path) positions."""
-        if any(node != i for i, node in enumerate(path)):
-            end = start + 1 + len(path)
-            source = None  # [len(path)] slots, gathered (a copy) before the write
-            for buffer in (*self.keys, *self.values):
-                if buffer is not None:
-                    if source is None:
-                        source = torch.tensor([start + 1 + node for node in path], device=buffer.device)
-                    buffer[row, :, start + 1 : end] = buffer[row, :, source]
+        """After a tree's verify pass: row `row`'s kept `path` moves into place in every layer (`tree.move_path`),
+        and the row holds start + 1 + len(path) positions."""
+        move_path([*self.keys, *self.values], start=start, path=path, row=row)
         self.lengths[row] = start + 1 + len(path)
 
     def remove_row(self, row: int) -> None:
@@ -184,7 +177,7 @@ class BatchRunner(LayerRunner):
         r = len(starts)
         device = self.positions.device
         slots = torch.tensor(starts, device=device)[:, None] + torch.arange(q, device=device)  # [r, q]
-        trees = [tree if tree is not None and not tree.is_chain else None for tree in (trees or [None] * r)]
+        trees = trees or [None] * r
         positions = slots
         if any(trees):
             depths = [list(range(q)) if tree is None else tree.depths() + list(range(len(tree) + 1, q))

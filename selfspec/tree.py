@@ -177,23 +177,28 @@ def accept_tree_sampling_on_device(
     return kept, torch.multinomial(residual.float(), 1, generator=generator)
 
 
-def compact(cache, *, start: int, path: list[int], layers) -> None:
-    """Move the accepted path's entries (rows path[i] + 1) to positions start + 1 + i, then crop after them.
+def move_path(buffers, *, start: int, path: list[int], row: int | slice = slice(None)) -> None:
+    """Move the accepted path's entries (rows path[i] + 1, at slots start + 1 + path[i]) to start + 1 + i in each
+    of `buffers` `[rows, heads, capacity, dim]` (None skipped), in row `row` of them (every row by default).
 
-    Copies only `len(path)` positions per layer; the root's entries (row 0) are
+    Copies only `len(path)` positions per buffer; the root's entries (row 0) are
     already at `start`. A row's slot is never before its position, so reading
     all sources before writing (advanced indexing gathers a copy) is safe.
     """
-    keep = start + 1 + len(path)
-    if path and any(row != i for i, row in enumerate(path)):
-        source = None  # [len(path)] slots to read, on the buffers' device: one copy there, not one per buffer
-        for i in layers:
-            for buffer in (cache.keys[i], cache.values[i]):
-                if buffer is not None:
-                    if source is None or source.device != buffer.device:
-                        source = torch.tensor([start + 1 + row for row in path], device=buffer.device)
-                    buffer[:, :, start + 1 : keep] = buffer[:, :, source]
-    cache.crop(keep)
+    if all(node == i for i, node in enumerate(path)):  # already in place (or empty)
+        return
+    source = None  # [len(path)] slots to read, on the buffers' device: one copy there, not one per buffer
+    for buffer in buffers:
+        if buffer is not None:
+            if source is None or source.device != buffer.device:
+                source = torch.tensor([start + 1 + node for node in path], device=buffer.device)
+            buffer[row, :, start + 1 : start + 1 + len(path)] = buffer[row, :, source]
+
+
+def compact(cache, *, start: int, path: list[int], layers) -> None:
+    """One sequence's cache after a tree's verify pass: `move_path` in `layers`, then crop after the path."""
+    move_path([b for i in layers for b in (cache.keys[i], cache.values[i])], start=start, path=path)
+    cache.crop(start + 1 + len(path))
 
 
 def accept_tree_greedy_on_device(tree: TokenTree, target_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
