@@ -1,25 +1,23 @@
 """Batched generation: several sequences, each with its own draft and acceptance rule, over one cache of rows.
 
-A `BatchSession` holds the sequences that decode together (`BatchRow`). A
-row joins with `add` (its own prefill) and leaves when done; `step` runs
-one round for every row:
+A `BatchSession` holds the sequences that decode together (`BatchRow`): a
+row joins with `add` and leaves when done; `step` runs a round for all rows:
 
 1. draft: each row's proposal from the plan's sources (`batch_draft.py`):
-   its n-gram copy, else the plan's layers, all rows in one draft pass a token;
+   its n-gram copy (grown with recycled nodes), else a recycled tree, else
+   the plan's layers, all rows in one draft pass a token;
 2. choose: one verify width, by expected tokens per second;
 3. verify: one pass of the full model over `[rows, width]`, padded; with the
    plan's `tree`, a row whose chain is shorter than the width verifies its
-   other n-gram continuations in that room, as a token tree;
+   recycled nodes or other n-gram continuations in that room, as a tree;
 4. accept: per row, the greedy or the rejection rule (a tree's for a tree);
 5. roll back: each row's length moves to what it kept (a tree's kept path
    is moved into place first);
 6. emit, record (every source learns), drop the rows that finished.
 
-Greedy rows equal `model.generate` on their prompt alone; sampling rows keep
-the target's distribution.
-
-Not in a batch: layer trees and recycled nodes, the static step and CUDA
-graphs, a verify pass resuming after the exact prefix.
+Greedy rows equal `model.generate` alone; sampling rows keep their law.
+Not in a batch: layer trees, the static step and CUDA graphs, a verify pass
+resuming after the exact prefix.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from .acceptance import accept_greedy, accept_sampling
-from .batch_draft import BATCH_MARGIN, BatchRow, DraftRound, DraftSource, LayerRows, NgramRows
+from .batch_draft import BATCH_MARGIN, BatchRow, DraftRound, DraftSource, LayerRows, NgramRows, RecycledRows
 from .batch_runner import BatchRunner
 from .draft import TREE_BRANCHES
 from .cpu_kernels import NO_ATTENTION_CHANGE, NO_CHANGE, AttentionKernels, LinearKernels, cpu_kernels
@@ -42,7 +40,8 @@ from .output import Clock, Output
 from .parts import ModelParts
 from .plan import DraftPlan
 from .prefix_cache import PrefixCache
-from .policy import AcceptanceEstimates, Calibration
+from .policy import DECAY, IDLE_DECAY, AcceptanceEstimates, Calibration
+from .recycle import chain_contexts, tree_contexts
 from .scoring import Scorer
 from .stats import BatchStats
 from .tree import TokenTree, accept_tree_greedy, accept_tree_sampling
@@ -83,9 +82,15 @@ class BatchSession:
         if plan.drafts and draft_layers:
             threshold = plan.threshold if plan.policy == "fixed" and plan.adaptive else None
             self.layers = LayerRows(tuple(draft_layers), head=self.head, vocab=vocab, threshold=threshold)
-        self.sources = [s for s in (self.ngram, self.layers) if s is not None]  # the first that proposes, drafts
+        # With the plan's `recycle`, each row's recorded next tokens grow its n-gram chain or make a tree alone.
+        self.recycled = (RecycledRows(plan.tree) if plan.drafts and plan.recycle and plan.tree
+                         and not isinstance(head, FeatureHead) else None)
+        # The first that proposes for a row drafts (recycled nodes may grow an n-gram chain).
+        self.sources = [s for s in (self.ngram, self.recycled, self.layers) if s is not None]
         self.fixed = plan.policy == "fixed"
         self.max_draft = plan.draft_length if self.sources else 0
+        # The most nodes a row verifies: its chain, or a recycled tree (its chain, then recycled nodes).
+        self.max_nodes = max(self.max_draft, plan.tree if self.recycled else 0)
         self.acceptance = AcceptanceEstimates(prior=plan.target_acceptance)  # every row's outcomes
         self.calibration = Calibration()  # the share of predicted extra tokens the chosen drafts brought
         self.last_table: PassCosts | None = None  # the cost table the last drafting decision used (for the stats)
@@ -139,14 +144,15 @@ class BatchSession:
         self.check_context(len(prompt), settings.max_new_tokens)
         # Room for the prompt and a block of new tokens, not for max_new_tokens (often the whole context, in a
         # server): rounds grow the cache as rows near its end (doubling, so it copies rarely).
-        capacity = len(prompt) + min(settings.max_new_tokens, GROW_BLOCK) + self.max_draft + 1
+        capacity = len(prompt) + min(settings.max_new_tokens, GROW_BLOCK) + self.max_nodes + 1
         if self.runner is None:
             self.runner = BatchRunner(self.parts, capacity=capacity, head=self.head)
             if self.layers is not None:
                 self.layers.runner = self.runner
         self.runner.grow(capacity)
         row = BatchRow(Output(prompt, settings, streamer), Scorer(settings, generator), len(prompt),
-                       self.ngram.index() if self.ngram else None)
+                       self.ngram.index() if self.ngram else None,
+                       successors=self.recycled.table() if self.recycled else None)
         if streamer is not None:
             streamer.put(torch.tensor(prompt))
         clock = Clock(self.parts.device)
@@ -160,6 +166,8 @@ class BatchSession:
         if isinstance(self.head, FeatureHead):
             row.feature = self.runner.fused[:, -1:]  # [1, 1, hidden]
         scores = row.scorer.scores(logits, row.out.tokens, len(row.out.tokens))  # [1, vocab]
+        if row.successors is not None:
+            row.successors.record(chain_contexts(prompt, []), scores)
         row.out.emit([row.scorer.target_choice(scores)])
         row.stats.verify_passes += 1
         row.stats.prefill_seconds = clock.lap()
@@ -176,16 +184,17 @@ class BatchSession:
         clock = Clock(self.parts.device)
         n = len(self.rows)
         batch = self._round()
-        self.runner.grow(max(batch.starts) + self.max_draft + 1)  # the round's drafts and verify fit
+        self.runner.grow(max(batch.starts) + self.max_nodes + 1)  # the round's drafts and verify fit
         # 1. draft: each row's proposal, from the first source that has one; 2. choose the batch's cut k
         for source in self.sources if any(batch.budgets) else ():
             source.propose(batch)
-        k, predicted = batch.length() if any(d.tokens for d in batch.drafts) else (0, 0.0)
+        k, predicted = batch.length() if any(d.tokens or d.gains for d in batch.drafts) else (0, 0.0)
         if self.fixed and batch.layer_steps:  # a fixed plan verifies its layer drafts whole
             k = max(k, batch.layer_steps)
         drafts = [d.tokens[:k] for d in batch.drafts]
-        width = 1 + max(len(d) for d in drafts)
-        # A row whose chain is shorter than the pass is wide verifies its other continuations there, as a tree.
+        width = 1 + max(d.nodes(k) for d in batch.drafts)
+        # A row whose chain is shorter than the pass is wide verifies its recycled nodes or other continuations
+        # there, as a tree.
         trees = [d.tree(len(chain), width - 1) for d, chain in zip(batch.drafts, drafts)]  # None: a chain
         draft_seconds = clock.lap()
         # 3. verify: one pass over [rows, width], each row its last token and its draft (chain or tree), padded
@@ -205,27 +214,39 @@ class BatchSession:
         finished = []
         self.acceptance.decay(layers_drafted=any(d and s.source == "layers" for d, s in zip(drafts, batch.drafts)))
         self.calibration.decay()
-        accepted = 0
+        accepted = recycled = 0
         for i, (row, draft, tree) in enumerate(zip(self.rows, drafts, trees)):
+            proposal, path = batch.drafts[i], None
             # 4. accept, with the row's own scores; 5. roll back: the row keeps its last token and what it accepted
             if tree is not None:
-                kept, first_path = self._accept_tree(i, row, tree, logits[i, : len(tree) + 1], batch.starts[i])
+                kept, path = self._accept_tree(i, row, tree, logits[i, : len(tree) + 1], batch.starts[i])
             else:
-                kept = self._accept_chain(i, row, batch.drafts[i], draft, logits[i, : len(draft) + 1],
-                                          batch.starts[i])
-                first_path = len(kept) - 1
+                kept = self._accept_chain(i, row, proposal, draft, logits[i, : len(draft) + 1], batch.starts[i])
             # 6. emit and record
             row.out.emit(kept)
-            source = "ngram tree" if tree is not None else batch.drafts[i].source if draft else "layers"
+            grown = len(tree) - len(proposal.tokens) if tree is not None and proposal.grown is not None else 0
+            on_path = sum(node >= len(proposal.tokens) for node in path) if grown else 0
             row.stats.record_round(drafted=len(tree) if tree else len(draft), accepted=len(kept) - 1,
-                                   draft_seconds=draft_seconds / n, verify_seconds=verify_seconds / n, source=source)
+                                   draft_seconds=draft_seconds / n, verify_seconds=verify_seconds / n,
+                                   source=f"{proposal.source} tree" if tree else proposal.source or "layers",
+                                   recycled=(grown, on_path))
             for learner in self.sources:
-                learner.learn(batch, i, len(draft), kept)
-            accepted += first_path  # what the cut's pricing predicted for (a tree's branches come on top)
+                learner.learn(batch, i, len(tree) if tree else len(draft), kept, path)
+            # What the cut's pricing predicted for: a chain's tokens, a grown tree's priced nodes; an n-gram tree's
+            # first path (its branches come on top).
+            if path is None:
+                accepted += len(kept) - 1
+            elif proposal.grown is not None:
+                accepted += sum(node < proposal.nodes(k) for node in path)
+            else:
+                accepted += tree.first_path_kept(path)
+            recycled += grown
             if row.done:
                 finished.append(row)
         if k:
             self.calibration.observe(predicted=predicted, realized=accepted)
+        if self.recycled is not None and batch.learned:  # recycled estimates fade slower while none are verified
+            self.recycled.calibration.decay(DECAY if recycled else IDLE_DECAY)
         self.stats.passes += 1
         self.stats.rounds += 1
         self.stats.row_passes += n
@@ -238,6 +259,8 @@ class BatchSession:
         """Row i's verdict on its chain `draft` from `logits` `[len(draft) + 1, vocab]`: the kept tokens (the
         accepted ones, then the target's), its cache cut to them."""
         scores = row.scorer.scores(logits, row.out.tokens + draft, len(row.out.tokens))
+        if row.successors is not None:  # every verified row, rejected tokens' too: the recycling
+            row.successors.record(chain_contexts(row.out.tokens, draft), scores)
         if row.scorer.do_sample:
             q = proposal.q(len(draft), scores.shape[-1], scores.device)  # [k, vocab]
             verdict = accept_sampling(draft, q, row.scorer.probs(scores), row.scorer.generator)
@@ -249,17 +272,19 @@ class BatchSession:
         return draft[: verdict.accepted] + [verdict.next_token]
 
     def _accept_tree(self, i: int, row: BatchRow, tree: TokenTree, logits: torch.Tensor,
-                     start: int) -> tuple[list[int], int]:
-        """Row i's verdict on its n-gram `tree` from `logits` `[len(tree) + 1, vocab]`: the kept tokens and how
-        many of them the first path gave; the kept path's entries moved into place (`tree.py`'s rules: greedy,
-        or recursive rejection for fixed candidates)."""
+                     start: int) -> tuple[list[int], list[int]]:
+        """Row i's verdict on its `tree` from `logits` `[len(tree) + 1, vocab]`: the kept tokens and the kept
+        path's nodes, whose entries are moved into place (`tree.py`'s rules: greedy, or recursive rejection for
+        fixed candidates)."""
         scores = row.scorer.tree_scores(logits, row.out.tokens, tree)  # [n + 1, vocab]
+        if row.successors is not None:  # every verified row, rejected nodes' too: the recycling
+            row.successors.record(tree_contexts(row.out.tokens, tree), scores)
         if row.scorer.do_sample:
             path, token = accept_tree_sampling(tree, row.scorer.probs(scores), row.scorer.generator)
         else:
             path, token = accept_tree_greedy(tree, scores)
         self.runner.cache.keep_path(i, start, path)
-        return tree.path_tokens(path) + [token], tree.first_path_kept(path)
+        return tree.path_tokens(path) + [token], path
 
     def _round(self) -> DraftRound:
         """This round's draft state: each row's position and budget, and the costs and acceptance it decides by.
@@ -273,7 +298,7 @@ class BatchSession:
         learned = not any(row.scorer.do_sample for row in self.rows)
         acceptance = self.acceptance if learned else AcceptanceEstimates(prior=self.acceptance.prior)
         return DraftRound(self.rows, starts, budgets, acceptance, lambda: self.costs_for(len(self.rows), learned),
-                          scale=self.calibration.ratio if learned else 1.0, fixed=self.fixed)
+                          scale=self.calibration.ratio if learned else 1.0, fixed=self.fixed, learned=learned)
 
     def _finish(self, rows: list[BatchRow]) -> None:
         """Rows that are done leave the batch; their stats are completed and kept in the session's."""

@@ -4,8 +4,9 @@ A draft source (`DraftSource`) proposes tokens for the rows it serves and
 learns from what the verify pass kept. `NgramRows`: each row's prompt lookup
 over its own tokens, free. `LayerRows`: the plan's layers (an exit head, a
 draft vocabulary) for every row at once, one `[rows, 1]` draft pass per
-drafted token. A row takes its n-gram proposal when it has one, else the
-layers'.
+drafted token. `RecycledRows`: each row's recorded next tokens grown into a
+tree, free. A row takes its n-gram proposal when it has one (recycled nodes
+may grow it), else the layers', else a recycled tree.
 
 The batch verifies one width for every row. `DraftRound.length` picks the
 common cut k that maximises the batch's expected emitted tokens per second:
@@ -20,6 +21,8 @@ This module does not verify, accept or emit (`batch.py`).
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -35,7 +38,8 @@ from .head import ExitHead
 from .ngram import NgramIndex, agreement
 from .output import Output
 from .costs import RuntimeCosts
-from .policy import AcceptanceEstimates
+from .policy import AcceptanceEstimates, DepthCalibration
+from .recycle import SuccessorTable
 from .scoring import Scorer
 from .stats import GenerationStats
 from .tree import TokenTree
@@ -57,6 +61,7 @@ class BatchRow:
     prompt_length: int
     ngrams: NgramIndex | None = None  # its n-gram lookup, kept up to date as it grows
     feature: torch.Tensor | None = None  # a feature head's f at its last cached position `[1, 1, hidden]`
+    successors: SuccessorTable | None = None  # the target's recorded next tokens on this row (`RecycledRows`)
     stats: GenerationStats = field(default_factory=GenerationStats)
     began: float = field(default_factory=time.perf_counter)
 
@@ -81,10 +86,21 @@ class RowDraft:
     match_length: int = 0  # an n-gram proposal's match length (`ngram.matched_length`)
     proposal: list[int] = field(default_factory=list)  # an n-gram proposal uncut (its tokens no pass saw are judged)
     paths: list[list[int]] = field(default_factory=list)  # n-gram continuations, `tokens` first (branches for a tree)
+    grown: TokenTree | None = None  # `tokens`, then recycled nodes best first (`RecycledRows`)
+    values: list[float] = field(default_factory=list)  # per recycled node: its recorded path probability
+    gains: list[float] = field(default_factory=list)  # per recycled node: the tokens it is expected to add
+
+    def nodes(self, k: int) -> int:
+        """How many nodes the row verifies when the batch cuts at k: its chain's first k, then recycled nodes."""
+        return min(k, len(self.odds) + len(self.gains))
 
     def tree(self, k: int, nodes: int) -> TokenTree | None:
-        """The row's first k tokens, then its other continuations (cut at depth k) as branches, up to `nodes`
-        nodes: the room a batch's verify pass has beside this row's chain. None where that is a chain."""
+        """The row's first k tokens, then, up to `nodes` nodes (the room a batch's verify pass has beside this
+        row's chain): its recycled nodes, or its other n-gram continuations (cut at depth k) as branches. None
+        where that is a chain of n-gram or layer tokens."""
+        if self.grown is not None:  # the chain is its first nodes: any first m nodes make a tree
+            m = min(nodes, len(self.grown))
+            return TokenTree(self.grown.tokens[:m], self.grown.parents[:m]) if m > k else None
         if len(self.paths) < 2 or k < 1 or nodes <= k:
             return None
         tree = TokenTree.from_paths([path[:k] for path in self.paths], max_nodes=nodes)
@@ -111,6 +127,7 @@ class DraftRound:
     costs_for: Callable[[], RuntimeCosts]  # what passes over these rows cost (measured on first use)
     scale: float = 1.0  # the share of predicted extra tokens the chosen drafts brought (`policy.Calibration`)
     fixed: bool = False  # the plan's `policy="fixed"`: layers draft their full length
+    learned: bool = True  # whether the round decides and learns from earlier rounds' outcomes (not when sampling)
     drafts: list[RowDraft] = field(default_factory=list)
     layer_steps: int = 0  # layer draft passes run this round
     costs: RuntimeCosts | None = None  # fetched by the first decision that needs them
@@ -128,12 +145,14 @@ class DraftRound:
         """The common cut k that maximises expected emitted tokens per second, and the extra tokens it predicts.
 
         Row i's odds are its draft's, then `futures[i]` (layer tokens not drafted
-        yet, each costing one more draft step). Drafting at all must beat a
-        plain pass by `BATCH_MARGIN`; ties go to the shorter cut.
+        yet, each costing one more draft step); past its chain, each recycled
+        node adds its gain. Drafting at all must beat a plain pass by
+        `BATCH_MARGIN`; ties go to the shorter cut.
         """
         futures = futures or [[] for _ in self.rows]
         odds = [d.odds + f for d, f in zip(self.drafts, futures)]
-        longest = max(map(len, odds), default=0)
+        gains = [d.gains for d in self.drafts]
+        longest = max((len(o) + len(g) for o, g in zip(odds, gains)), default=0)
         costs = self.priced()
         step = costs.draft() if self.layer_steps or any(futures) else 0.0  # one layer draft step over the rows
         spent = self.layer_steps * step
@@ -144,6 +163,8 @@ class DraftRound:
                 if k <= len(row_odds):
                     reach[i] *= row_odds[k - 1]
                     extra += reach[i]
+                elif k - len(row_odds) <= len(gains[i]):
+                    extra += gains[i][k - len(row_odds) - 1]
             seconds = spent + max(0, k - self.layer_steps) * step + costs.verify(k + 1)
             rate = (rows + self.scale * extra) / seconds
             if rate > best_rate * (1 + 1e-9):
@@ -157,8 +178,9 @@ class DraftSource(Protocol):
     def propose(self, batch: DraftRound) -> None:
         """Fill `batch.drafts[i]` for the rows this source serves (those with nothing proposed yet)."""
 
-    def learn(self, batch: DraftRound, i: int, verified: int, kept: list[int]) -> None:
-        """Row i's pass verified its first `verified` tokens and kept `kept` (accepted ones, then the target's)."""
+    def learn(self, batch: DraftRound, i: int, verified: int, kept: list[int], path: list[int] | None) -> None:
+        """Row i's pass verified its first `verified` nodes and kept `kept` (accepted ones, then the target's);
+        `path`: the kept nodes, where the row verified a tree."""
 
 
 class NgramRows:
@@ -183,10 +205,54 @@ class NgramRows:
                 draft.paths = [list(path) for path in paths]
                 draft.odds = [batch.acceptance.ngram_token(match, j + 1) for j in range(len(tokens))]
 
-    def learn(self, batch: DraftRound, i: int, verified: int, kept: list[int]) -> None:
+    def learn(self, batch: DraftRound, i: int, verified: int, kept: list[int], path: list[int] | None) -> None:
         draft = batch.drafts[i]
         if draft.source == "ngram":  # the verified tokens as judged, and the first uncut one by the pass's own token
             batch.acceptance.observe_copied(draft.match_length, 1, agreement(draft.proposal, kept))
+
+
+class RecycledRows:
+    """Each row's recycled tree (`recycle.py`): the target's recorded next tokens on that row, grown under its
+    last token and under its n-gram chain, if any. A node's gain is its recorded path probability scaled by
+    what nodes at its depth earned (`policy.DepthCalibration`). It serves rows the earlier sources left
+    without a draft, and grows n-gram chains."""
+
+    def __init__(self, max_nodes: int) -> None:
+        self.max_nodes = max_nodes
+        self.calibration = DepthCalibration()  # what every row's verified recycled nodes earned
+
+    def table(self) -> SuccessorTable:
+        return SuccessorTable()
+
+    def propose(self, batch: DraftRound) -> None:
+        ratios = (self.calibration if batch.learned else DepthCalibration()).ratios()
+        for row, budget, draft in zip(batch.rows, batch.budgets, batch.drafts):
+            if budget < 1 or draft.source not in ("", "ngram"):
+                continue
+            tokens = row.out.tokens
+            base, reach = None, []
+            if draft.tokens:
+                base = TokenTree(tuple(draft.tokens), tuple(range(-1, len(draft.tokens) - 1)))
+                reach = list(itertools.accumulate(draft.odds, operator.mul))
+            tree, values = row.successors.grow(tokens[-2] if len(tokens) > 1 else None, tokens[-1], base, reach,
+                                               max_nodes=self.max_nodes, max_depth=budget)
+            if not values:
+                continue
+            depths = tree.depths()[1 + len(draft.tokens) :]
+            draft.source = draft.source or "recycled"
+            draft.grown, draft.values = tree, values
+            draft.gains = [ratios[min(depth, len(ratios)) - 1] * value for depth, value in zip(depths, values)]
+
+    def learn(self, batch: DraftRound, i: int, verified: int, kept: list[int], path: list[int] | None) -> None:
+        draft = batch.drafts[i]
+        if draft.grown is None or path is None or not batch.learned:
+            return
+        first = len(draft.tokens)  # the recycled nodes follow the chain
+        nodes = range(first, min(verified, len(draft.grown)))
+        on_path = set(path)
+        self.calibration.observe(depths=[draft.grown.depths()[1 + node] for node in nodes],
+                                 values=[draft.values[node - first] for node in nodes],
+                                 kept=[node in on_path for node in nodes])
 
 
 class LayerRows:
@@ -246,7 +312,7 @@ class LayerRows:
                    if i in serve else [] for i in range(len(batch.rows))]
         return batch.length(futures)[0] > j
 
-    def learn(self, batch: DraftRound, i: int, verified: int, kept: list[int]) -> None:
+    def learn(self, batch: DraftRound, i: int, verified: int, kept: list[int], path: list[int] | None) -> None:
         draft = batch.drafts[i]
         if draft.source == "layers" and verified:
             shown = Draft(draft.tokens[:verified], None, [], confidences=draft.confidences[:verified])

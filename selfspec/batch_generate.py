@@ -28,10 +28,13 @@ from .output import Clock
 
 def open_session(spec) -> BatchSession:
     """`spec.batch_session()`: a session over the wrapper `spec`'s model, plan and kernels."""
-    if spec.plan.drafts and (spec.plan.tree or spec.plan.recycle):
-        warnings.warn(f"plan {spec.describe_plan()!r}: a batch drafts chains and verifies n-gram trees only in "
-                      f"the room its chains leave (no layer trees or recycled nodes); one sequence drafts them",
-                      stacklevel=3)
+    plan, missing = spec.plan, None
+    if plan.drafts and isinstance(spec.head, FeatureHead) and (plan.tree or plan.recycle):
+        missing = "with a feature head a batch's rows verify chains alone (no trees or recycled nodes)"
+    elif plan.drafts and plan.tree and batch_draft_layers(spec):
+        missing = "a batch's layers draft chains, not trees"
+    if missing:
+        warnings.warn(f"plan {spec.describe_plan()!r}: {missing}; one sequence drafts them", stacklevel=3)
 
     return BatchSession(spec.parts, spec.plan, settings_for=functools.partial(row_settings, spec),
                         costs_for=lambda rows, learn: batch_costs(spec, rows, learn),

@@ -49,6 +49,9 @@ class Draft:
     tree: TokenTree | None = None  # n-gram continuations or a layer draft as a tree (`tree.py`); `tokens`: its first path
     path_probs: tuple[float, ...] = ()  # a layer tree: per node, the draft's probability of the path to it
     recycled: tuple[float, ...] = ()  # a tree's last len(recycled) nodes are recycled (`recycle.py`): their values
+    # A chain drafted on the device and not read back yet (the static step): its tokens `[k]` and confidences `[k]`
+    # (or None); `tokens` and `confidences` are filled in by the round's one read.
+    pending: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
 
 TREE_BRANCHES = 4  # n-gram continuations a tree draws from
@@ -105,11 +108,7 @@ class Drafter:
         `successors` (the plan's `recycle`), recycled nodes join the n-gram
         proposal, or make a tree of their own where that beats the layers.
         """
-        copied = self.ngram_draft(tokens, policy, scorer, runner.parts.vocab_size, runner.positions.device)
-        if successors is not None and policy.round_budget > 0:
-            grown = self.recycled_draft(tokens, policy, copied, successors)
-            if grown is not None:
-                return grown
+        copied = self.free_draft(runner, scorer, tokens, policy, successors)
         if copied is not None:
             return copied
         if self.tree_nodes and self.has_layers and policy.tree_nodes(1, self.tree_nodes,
@@ -133,6 +132,47 @@ class Drafter:
             if q is not None:
                 probs.append(q)
         return Draft(drafted, torch.stack(probs) if probs else None, boundary, confidences=confidences)
+
+    def free_draft(self, runner: LayerRunner, scorer: Scorer, tokens: list[int], policy,
+                   successors: SuccessorTable | None) -> Draft | None:
+        """What costs no pass: an n-gram proposal, grown with recycled nodes where `policy` finds them worth it."""
+        copied = self.ngram_draft(tokens, policy, scorer, runner.parts.vocab_size, runner.positions.device)
+        if successors is not None and policy.round_budget > 0:
+            grown = self.recycled_draft(tokens, policy, copied, successors)
+            if grown is not None:
+                return grown
+        return copied
+
+    def propose_on_device(self, runner: LayerRunner, scorer: Scorer, tokens: list[int], policy,
+                          successors: SuccessorTable | None, last: torch.Tensor) -> Draft:
+        """`propose` for the static step: nothing is read back. A free draft as `propose` makes it, else a chain of
+        `policy.planned_length()` layer tokens after `last` `[1, 1]`, each step fed the previous step's choice on
+        the device (`Draft.pending`)."""
+        copied = self.free_draft(runner, scorer, tokens, policy, successors)
+        if copied is not None:
+            return copied
+        k = policy.planned_length() if self.has_layers else 0
+        start = len(tokens) - 1  # `last`'s position
+        # Logits processors that read earlier tokens get them on the device (none: nothing is copied).
+        history = torch.tensor(tokens, device=last.device) if scorer.processors else None  # [n]
+        drafted: list[torch.Tensor] = []  # each [1, 1]
+        confidences: list[torch.Tensor] = []  # each 0-d
+        probs: list[torch.Tensor] = []  # each [vocab]
+        boundary: list[torch.Tensor] = []  # each [1, 1, hidden]
+        token = last
+        for i in range(k):
+            logits = self.step(runner, token, start + i, boundary)  # [1, vocab]
+            context = None if history is None else torch.cat([history, *(t.view(1) for t in drafted)])
+            scores = scorer.scores(logits, context, len(tokens) + i)  # [1, vocab]
+            token, confidence, q = scorer.draft_choice_on_device(scores, with_confidence=policy.wants_confidence)
+            drafted.append(token)
+            if confidence is not None:
+                confidences.append(confidence)
+            if q is not None:
+                probs.append(q)
+        on_device = torch.cat(drafted).view(-1) if drafted else torch.empty(0, dtype=torch.long, device=last.device)
+        return Draft([], torch.stack(probs) if probs else None, boundary,
+                     pending=(on_device, torch.stack(confidences) if confidences else None))
 
     def layer_tree(self, runner: LayerRunner, scorer: Scorer, tokens: list[int], policy) -> Draft:
         """A layer draft grown as a tree, level by level (EAGLE-2's expansion), as deep as `policy` says.

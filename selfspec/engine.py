@@ -10,7 +10,7 @@ options as `model.generate` does, then hands one sequence to
 except a CUDA-graphed runner's, which stays with the wrapper (its graphs hold
 the cache's addresses). The model itself is only ever read.
 
-It does not run a round (`rounds.py`, `static_loop.py`, `batch.py`), choose
+It does not run a round (`rounds.py`, `batch.py`), choose
 kernels (`kernel_choice.py`) nor key cost tables (`cost_tables.py`).
 """
 
@@ -76,7 +76,7 @@ def wrap(
     decide with those costs instead.
     `step`: how a pass runs. "eager": shapes follow the tokens, and the draft
     reads each choice back; "static": fixed shapes (`static.py`) and one read
-    back per round (`static_loop.py`); "graphs": static, with every pass
+    back per round (`rounds.py`); "graphs": static, with every pass
     captured as a CUDA graph once and replayed (CUDA only); "auto": "graphs"
     on CUDA, "eager" elsewhere.
     `kernels` (the CPU's): "measured", the attention and linear kernels

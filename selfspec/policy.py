@@ -9,7 +9,7 @@ with `adaptive=True` Draft & Verify's confidence threshold with an off
 switch. It is the baseline the cost policy is compared with.
 
 Both satisfy `DraftPolicy`, the one contract the rounds use (`draft.py`,
-`static_loop.py`, the engine's loop, the tuner's replay); `policy_for` builds
+`rounds.py`, the tuner's replay); `policy_for` builds
 the one a plan names. `LayerChoosingPolicy` adds what an auto plan's layer
 choice asks (`auto_layers.py`); only the cost policy has it.
 

@@ -52,6 +52,15 @@ class SuccessorTable:
         self._store(contexts, top_t.tolist(), top_p.tolist())
         self.seconds += time.perf_counter() - began
 
+    def top(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`top_successors(scores)`, left where `scores` live for the round's one read; on a CPU (where it runs
+        at once) its time counts as recording's."""
+        began = time.perf_counter()
+        top = top_successors(scores)
+        if not scores.is_cuda:
+            self.seconds += time.perf_counter() - began
+        return top
+
     def record_top(self, contexts: list[tuple[int | None, int]], top_tokens: list[list[int]],
                    top_probs: list[list[float]]) -> None:
         """`record` with each row's top tokens and probabilities already read (`top_successors`, on the host)."""

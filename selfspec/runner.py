@@ -29,6 +29,7 @@ from .vocab import DraftVocab
 
 class LayerRunner:
     cache_class = SharedKVCache  # the static step (`static.py`) swaps in its fixed-shape cache
+    drafts_on_device = False  # the eager step: a round reads each drafted token back as it is chosen (`rounds.py`)
 
     def __init__(self, parts: ModelParts, *, capacity: int, device: torch.device | None = None, head=None):
         device = parts.device if device is None else device

@@ -3,7 +3,7 @@
 `decode_sequence` sets up what the rounds run with (`rounds.Decoding`): the
 runner of the wrapper's step, the policy, the optional auto-layer choice and
 successor table; prefills the prompt (from a stored prefix when the prefix
-cache has one); runs the eager or static rounds; and stores the finished
+cache has one); runs the rounds (`rounds.py`); and stores the finished
 sequence's KV for later prompts. The cache invariant is the rounds': at the
 top of a round it holds the target's entries for every token but the last.
 
@@ -19,10 +19,9 @@ from .hf_generation import GenerationSettings
 from .output import Clock, Output
 from .policy import LayerChoosingPolicy
 from .recycle import SuccessorTable, chain_contexts
-from .rounds import Decoding, eager_rounds
+from .rounds import Decoding, run_rounds
 from .scoring import Scorer
 from .static import GraphedRunner
-from .static_loop import run_static_rounds
 from .stats import GenerationStats
 
 
@@ -75,10 +74,7 @@ def decode_sequence(spec, prompt: list[int], settings: GenerationSettings, strea
 
     decoding = Decoding(runner, spec.drafter, passes, policy, scorer, out, stats, plan.draft_length, auto=auto,
                         successors=successors)
-    if spec.step == "eager":
-        eager_rounds(decoding, clock)
-    else:
-        run_static_rounds(decoding)
+    run_rounds(decoding)
     passes.probe = None
     if auto is not None:
         stats.layer_sets = auto.describe()

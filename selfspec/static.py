@@ -13,7 +13,7 @@ So `GraphedRunner` can capture one CUDA graph per (layer set, width, span) at
 first use and replay it. The host knows every length: no device reads.
 
 This module does not know plans, acceptance or the decode loop
-(`static_loop.py`).
+(`rounds.py`).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class StaticRunner(LayerRunner):
     """A `LayerRunner` whose passes have fixed shapes (see the module docstring)."""
 
     cache_class = StaticKVCache
+    drafts_on_device = True  # a round keeps its choices on the device and reads them back once (`rounds.py`)
 
     def __init__(self, parts: ModelParts, *, capacity: int, max_width: int, device=None, head=None):
         self.largest = largest_bucket(max_width)

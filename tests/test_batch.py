@@ -135,6 +135,42 @@ def test_ngram_trees_fill_the_room_chains_leave_and_rows_stay_exact(arch, plan, 
     assert sum(s.tree_rounds for s in stats) > 0 and sum(s.tree_accepted for s in stats) > 0, stats
 
 
+RECYCLED = selfspec.DraftPlan(recycle=True, tree=8, draft_length=4)  # recycled trees alone
+NGRAM_RECYCLED = selfspec.DraftPlan(recycle=True, ngram=2, tree=10, draft_length=5)  # grown n-gram chains too
+LAYERS_RECYCLED = selfspec.DraftPlan(recycle=True, ngram=2, layers=(0,), tree=10, draft_length=4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("plan", [RECYCLED, NGRAM_RECYCLED, LAYERS_RECYCLED], ids=["recycled", "ngram", "layers"])
+def test_recycled_trees_in_a_batch_keep_every_row_exact(arch, plan):
+    """Each row grows the target's recorded next tokens into a tree (alone, or under its n-gram chain) and
+    verifies it in the batch's pass: every row still equals `model.generate` on its prompt alone (float64),
+    and recycled nodes were drafted and kept."""
+    model = tiny_model(arch, torch.float64)
+    spec = selfspec.wrap(model, plan=plan, costs="flat")
+    prompts = [repetitive(14, seed=1), random_prompt(9, seed=2)[0].tolist(), repetitive(5, seed=3)]
+    assert_rows_alone(model, spec, prompts, max_new_tokens=32)
+    stats = spec.last_stats.row_stats
+    assert sum(s.recycled_drafted for s in stats) > 0 and sum(s.recycled_accepted for s in stats) > 0, stats
+    assert sum(s.tree_rounds for s in stats) > 0
+
+
+def test_a_batch_of_one_recycles_as_one_sequence_does():
+    """The recycling plan's draft reaches a batch session (what the server runs): a row alone in it drafts
+    recycled nodes, and its text is the single sequence's."""
+    model = tiny_model("llama", torch.float64)
+    spec = selfspec.wrap(model, plan=NGRAM_RECYCLED, costs="flat")
+    prompt = repetitive(12, seed=4)
+    single = spec.generate(torch.tensor([prompt]), max_new_tokens=30)[0, 12:].tolist()
+    assert spec.last_stats.recycled_drafted > 0
+    session = spec.batch_session()
+    row = session.add(prompt, max_new_tokens=30)
+    while len(session):
+        session.step()
+    assert row.new_tokens == single
+    assert row.stats.recycled_drafted > 0 and row.stats.recycled_accepted > 0, row.stats
+
+
 def test_ngram_drafts_are_verified_and_some_rejected():
     model = tiny_model("llama", torch.float64)
     spec = selfspec.wrap(model, plan=NGRAM, costs="flat")  # drafting pays whatever this machine's timings

@@ -21,6 +21,7 @@ import torch
 
 import selfspec
 from selfspec import cost_tables, output
+from selfspec.rounds import RoundClock
 from selfspec.costs import PassCosts
 from selfspec.stats import GenerationStats
 from selfspec.testing import random_prompt, tiny_model
@@ -47,7 +48,8 @@ def jittered(monkeypatch, tmp_path):
     monkeypatch.setenv("SELFSPEC_COSTS_CACHE", str(tmp_path))
     monkeypatch.setattr(cost_tables, "measure_pass_costs", fake_measurement)
     jitter = random.Random(0)
-    monkeypatch.setattr(output.Clock, "lap", lambda self: jitter.choice([1e-5, 1e-4, 1e-3, 1e-2, 1e-1]))
+    monkeypatch.setattr(output.Clock, "lap", lambda self: jitter.choice([1e-5, 1e-4, 1e-3, 1e-2, 1e-1]))  # batches
+    monkeypatch.setattr(RoundClock, "seconds", lambda self, begin, end: jitter.choice([1e-5, 1e-4, 1e-3, 1e-2, 1e-1]))
     rounds: list[tuple] = []
     record = GenerationStats.record_round
 
@@ -112,7 +114,8 @@ def test_a_reproducible_generation_leaves_the_cached_tables_as_measured(tmp_path
     measured = selfspec.wrap(model, plan=plan).costs
     files = {path.name: path.read_text() for path in tmp_path.glob("*.json")}
     assert len(files) == 2  # the passes, the plan's draft step
-    monkeypatch.setattr(output.Clock, "lap", lambda self: 0.5)  # every round far slower than the table says
+    monkeypatch.setattr(RoundClock, "seconds", lambda self, begin, end: 0.5)  # every round far slower than
+    # the table says
     spec = selfspec.wrap(model, plan=plan)
     for _ in range(2):
         spec.generate(prompt_for(1), max_new_tokens=24)
@@ -133,7 +136,7 @@ def test_measuring_afresh_replaces_the_cached_tables(tmp_path, monkeypatch):
     plan = PLANS[0]
     spec = selfspec.wrap(model, plan=plan)
     before = spec.costs
-    monkeypatch.setattr(output.Clock, "lap", lambda self: 0.5)
+    monkeypatch.setattr(RoundClock, "seconds", lambda self, begin, end: 0.5)
     selfspec.wrap(model, plan=plan, reproducible=False).generate(prompt_for(1), max_new_tokens=12)
     assert len(list(tmp_path.glob("*.json"))) == 4  # measured and refined
     monkeypatch.setattr(cost_tables, "measure_pass_costs", fake_measurement)

@@ -45,14 +45,14 @@ c = ln(2 V / DELTA), so each check falsely fails with probability at most
 DELTA = 1e-7, whatever the number of cells. A cell with p_i = 0 that is ever
 observed gives KL = inf: an impossible token fails the check outright.
 
-This file runs CHECKS_IN_FILE = 232 such checks on samples whose law is the
+This file runs CHECKS_IN_FILE = 248 such checks on samples whose law is the
 reference law (test 1: 6 pairs for each of the two implementations of the
 rule, the host one and the device one of the static step, + 4 Markov-chain
 checks + 1 token-tree check + 7 checks that the wrong-rule harnesses produce
 the wrong rules' own exact laws; test 2: 13 cases x 8, three of them on the
-static step; + 16 checks of a batch's two rows for each of 4 batch plans and for
-batched n-gram trees), so over random seeds the whole file would falsely fail with probability at most
-232 * 1e-7 = 2.3e-5. All seeds are fixed, so the outcome is
+static step; + 16 checks of a batch's two rows for each of 4 batch plans, for
+batched n-gram trees and for batched recycled trees), so over random seeds the whole file would falsely
+fail with probability at most 248 * 1e-7 = 2.5e-5. All seeds are fixed, so the outcome is
 deterministic anyway.
 
 Power (a wrong sampler must fail): in test 1 a wrong rule is only run on
@@ -85,7 +85,6 @@ import selfspec
 import selfspec.engine
 import selfspec.rounds
 import selfspec.auto_layers
-import selfspec.static_loop
 from selfspec.acceptance import Verdict, accept_sampling, accept_sampling_on_device, sample
 from selfspec.ngram import NgramIndex
 from selfspec.stats import GenerationStats
@@ -93,7 +92,7 @@ from selfspec.testing import make_feature_head, make_head, make_vocab
 from selfspec.tree import TokenTree, accept_tree_sampling, accept_tree_sampling_on_device
 
 DELTA = 1e-7  # false-failure probability bound of one `assert_distribution` check
-CHECKS_IN_FILE = 232  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
+CHECKS_IN_FILE = 248  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -594,7 +593,7 @@ def test_end_to_end_check_has_power(model, monkeypatch):
     """An engine that always accepts its draft must fail the same end-to-end check, even at N = 400 runs."""
     plan, sampling, warpers = CASES["T=1, exit_layer=2, k=3"]
     exact = exact_joint(model, warpers, NEW)
-    monkeypatch.setattr(selfspec.rounds, "accept_sampling", always_accept)
+    monkeypatch.setattr(selfspec.rounds, "accept_sampling_on_device", always_accept_on_device)
     counts, totals = run_many(selfspec.wrap(model, plan=plan), 400, seed=11, **sampling)
     assert totals["accepted"] == totals["drafted"] > 0
     with pytest.raises(AssertionError, match="differs from the exact one"):
@@ -611,7 +610,7 @@ def test_end_to_end_check_has_power_on_the_static_step(model, monkeypatch):
     """The same power check, with the always-accept rule swapped into the static step's loop."""
     plan, sampling, warpers = CASES["T=1, exit_layer=2, k=3"]
     exact = exact_joint(model, warpers, NEW)
-    monkeypatch.setattr(selfspec.static_loop, "accept_sampling_on_device", always_accept_on_device)
+    monkeypatch.setattr(selfspec.rounds, "accept_sampling_on_device", always_accept_on_device)
     counts, totals = run_many(selfspec.wrap(model, plan=plan, step="static"), 400, seed=11, **sampling)
     assert totals["accepted"] == totals["drafted"] > 0
     with pytest.raises(AssertionError, match="differs from the exact one"):
@@ -630,7 +629,8 @@ def batch_run_many(spec, n: int, seed: int, prompts: list[torch.Tensor], **sampl
     ids = torch.cat([torch.cat([torch.zeros(1, width - p.shape[1], dtype=torch.long), p], dim=1) for p in prompts])
     mask = torch.tensor([[0] * (width - p.shape[1]) + [1] * p.shape[1] for p in prompts])
     counts = [torch.zeros((VOCAB,) * NEW, dtype=torch.long) for _ in prompts]
-    totals = dict(drafted=0, accepted=0, recovered=0, bonus=0, tree_rounds=0, tree_accepted=0)
+    totals = dict(drafted=0, accepted=0, recovered=0, bonus=0, tree_rounds=0, tree_accepted=0, recycled_drafted=0,
+                  recycled_accepted=0)
     for _ in range(n):
         out = spec.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True, generator=g, **sampling)
         for row, row_counts in enumerate(counts):
@@ -714,6 +714,22 @@ def test_batched_sampling_over_ngram_trees_keeps_each_rows_law(model, monkeypatc
     warpers = LogitsProcessorList([TemperatureLogitsWarper(0.9)])
     for row, (prompt, row_counts) in enumerate(zip(prompts, counts)):
         assert_joint_matches(row_counts, exact_joint(model, warpers, NEW, prompt), f"batch trees: row {row}")
+
+
+BATCH_RECYCLED = selfspec.DraftPlan(recycle=True, ngram=1, tree=6, draft_length=3)
+
+
+def test_batched_sampling_over_recycled_trees_keeps_each_rows_law(model):
+    """Rows verify trees grown from their own recorded next tokens (`batch_draft.RecycledRows`), alone or under
+    an n-gram chain, priced by the cost table: each row's first 4 tokens follow its own exact law at T=0.9
+    (16 checks, 8 per row, at DELTA = 1e-7, N = 1,000 batches)."""
+    prompts = [TREE_PROMPT, PROMPT]
+    spec = selfspec.wrap(model, plan=BATCH_RECYCLED, costs="flat")
+    counts, totals = batch_run_many(spec, N_E2E, seed=23, prompts=prompts, temperature=0.9)
+    assert totals["recycled_drafted"] > 0 and totals["recycled_accepted"] > 0, totals
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.9)])
+    for row, (prompt, row_counts) in enumerate(zip(prompts, counts)):
+        assert_joint_matches(row_counts, exact_joint(model, warpers, NEW, prompt), f"batch recycled: row {row}")
 
 
 def keep_the_first_path(tree, target_probs, generator=None):
