@@ -75,7 +75,7 @@ class BatchSession:
         self.head = head if draft_layers else None
         self.sources: list[DraftSource] = []
         # With the plan's `tree`, a row's other n-gram continuations fill the room its chain leaves in the pass.
-        trees = bool(plan.tree) and not isinstance(head, FeatureHead)
+        trees = bool(plan.tree)
         self.ngram = (NgramRows(plan.ngram, branches=TREE_BRANCHES if trees else 1)
                       if plan.drafts and plan.ngram else None)
         self.layers = None
@@ -83,8 +83,7 @@ class BatchSession:
             threshold = plan.threshold if plan.policy == "fixed" and plan.adaptive else None
             self.layers = LayerRows(tuple(draft_layers), head=self.head, vocab=vocab, threshold=threshold)
         # With the plan's `recycle`, each row's recorded next tokens grow its n-gram chain or make a tree alone.
-        self.recycled = (RecycledRows(plan.tree) if plan.drafts and plan.recycle and plan.tree
-                         and not isinstance(head, FeatureHead) else None)
+        self.recycled = RecycledRows(plan.tree) if plan.drafts and plan.recycle and plan.tree else None
         # The first that proposes for a row drafts (recycled nodes may grow an n-gram chain).
         self.sources = [s for s in (self.ngram, self.recycled, self.layers) if s is not None]
         self.fixed = plan.policy == "fixed"
@@ -284,6 +283,9 @@ class BatchSession:
         else:
             path, token = accept_tree_greedy(tree, scores)
         self.runner.cache.keep_path(i, start, path)
+        if isinstance(self.head, FeatureHead):  # f at the row's last cached position: the kept path's last node
+            last = path[-1] + 1 if path else 0
+            row.feature = self.runner.fused[i : i + 1, last : last + 1]
         return tree.path_tokens(path) + [token], path
 
     def _round(self) -> DraftRound:

@@ -229,16 +229,12 @@ class RecycledRows:
         for row, budget, draft in zip(batch.rows, batch.budgets, batch.drafts):
             if budget < 1 or draft.source not in ("", "ngram"):
                 continue
-            tokens = row.out.tokens
-            base, reach = None, []
-            if draft.tokens:
-                base = TokenTree(tuple(draft.tokens), tuple(range(-1, len(draft.tokens) - 1)))
-                reach = list(itertools.accumulate(draft.odds, operator.mul))
-            tree, values = row.successors.grow(tokens[-2] if len(tokens) > 1 else None, tokens[-1], base, reach,
-                                               max_nodes=self.max_nodes, max_depth=budget)
+            base = TokenTree.chain(draft.tokens) if draft.tokens else None
+            reach = list(itertools.accumulate(draft.odds, operator.mul))  # each chain token's chance of being kept
+            tree, values, depths = row.successors.grow_after(row.out.tokens, base, reach, max_nodes=self.max_nodes,
+                                                             max_depth=budget)
             if not values:
                 continue
-            depths = tree.depths()[1 + len(draft.tokens) :]
             draft.source = draft.source or "recycled"
             draft.grown, draft.values = tree, values
             draft.gains = [ratios[min(depth, len(ratios)) - 1] * value for depth, value in zip(depths, values)]

@@ -28,13 +28,9 @@ from .output import Clock
 
 def open_session(spec) -> BatchSession:
     """`spec.batch_session()`: a session over the wrapper `spec`'s model, plan and kernels."""
-    plan, missing = spec.plan, None
-    if plan.drafts and isinstance(spec.head, FeatureHead) and (plan.tree or plan.recycle):
-        missing = "with a feature head a batch's rows verify chains alone (no trees or recycled nodes)"
-    elif plan.drafts and plan.tree and batch_draft_layers(spec):
-        missing = "a batch's layers draft chains, not trees"
-    if missing:
-        warnings.warn(f"plan {spec.describe_plan()!r}: {missing}; one sequence drafts them", stacklevel=3)
+    if spec.plan.drafts and spec.plan.tree and batch_draft_layers(spec):
+        warnings.warn(f"plan {spec.describe_plan()!r}: a batch's layers (or head) draft chains, not trees; one "
+                      f"sequence drafts layer trees", stacklevel=3)
 
     return BatchSession(spec.parts, spec.plan, settings_for=functools.partial(row_settings, spec),
                         costs_for=lambda rows, learn: batch_costs(spec, rows, learn),

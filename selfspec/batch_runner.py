@@ -228,13 +228,13 @@ class BatchRunner(LayerRunner):
         logits of the last position only, `[r, 1, vocab]` (a prefill). With an
         exit `head` (layer N), the head is run on the states after its exit
         layer, so its entries cover every token the pass wrote. `trees`: see
-        `begin_pass` (not with a feature head).
+        `begin_pass`; a feature head's node reads its parent's fused state.
         """
         step = self.begin_pass(starts, ids.shape[1], rows, trees)
         hidden = self.embed_rows(ids, step)  # [r, q, hidden]
         first = 0
         if isinstance(head, FeatureHead):
-            hidden = self.run_feature_rows(hidden, head, step, before)
+            hidden = self.run_feature_rows(hidden, head, step, before, trees)
             first = head.reads[-1] + 1
         elif head is not None:
             hidden = self.run_rows(hidden, range(head.exit_layer), step)
@@ -268,10 +268,13 @@ class BatchRunner(LayerRunner):
             hidden = self.run_rows(hidden, layers, step)  # [r, 1, hidden]
         return self.logits(hidden.transpose(0, 1), vocab)  # [r, vocab]
 
-    def run_feature_rows(self, hidden: torch.Tensor, head: FeatureHead, step: RowPass,
-                         before: torch.Tensor | None) -> torch.Tensor:
+    def run_feature_rows(self, hidden: torch.Tensor, head: FeatureHead, step: RowPass, before: torch.Tensor | None,
+                         trees: list[TokenTree | None] | None = None) -> torch.Tensor:
         """The target's layers up to the head's last read layer on `hidden` `[r, q, hidden]`, then the head on the
-        rows' fused states (kept in `fused`, `[r, q, hidden]`); the states after the last read layer."""
+        rows' fused states (kept in `fused`, `[r, q, hidden]`); the states after the last read layer.
+
+        Position t's head input joins its token with the fused state before it: `before` `[r, 1, hidden]` for
+        t = 0, else row t - 1's, or in a tree (`trees[j]`) its parent's row."""
         states, first = [], 0
         embeds = hidden
         for r in head.reads:
@@ -279,7 +282,12 @@ class BatchRunner(LayerRunner):
             states.append(hidden)
             first = r + 1
         self.fused = head.fused(states)  # [r, q, hidden]
-        preceding = torch.cat([_or_zeros(before, embeds[:, :1]), self.fused[:, :-1]], dim=1)
+        known = torch.cat([_or_zeros(before, embeds[:, :1]), self.fused], dim=1)  # [r, q + 1, hidden]: before, rows
+        q = embeds.shape[1]
+        sources = [list(range(q)) if tree is None else [0] + [parent + 2 for parent in tree.parents]
+                   + list(range(len(tree) + 1, q)) for tree in (trees or [None] * len(embeds))]  # [r, q]: rows of known
+        index = torch.tensor(sources, device=known.device)[:, :, None].expand(-1, -1, known.shape[-1])
+        preceding = known.gather(1, index)  # [r, q, hidden]
         self.run_rows(head.inputs(embeds, preceding), [head.slot], step)
         return hidden
 

@@ -96,7 +96,7 @@ class Drafter:
         self.other_layers = self.draft_layers[self.exact_prefix :]
 
     def propose(self, runner: LayerRunner, scorer: Scorer, tokens: list[int], policy,
-                successors: SuccessorTable | None = None) -> Draft:
+                successors: SuccessorTable | None = None, last: torch.Tensor | None = None) -> Draft:
         """Draft after `tokens` as far as `policy` says; the last of `tokens` is not in the cache yet.
 
         `policy` (`policy.DraftPolicy`) has had `begin_round(budget)` called. An n-gram
@@ -107,31 +107,16 @@ class Drafter:
         wherever the policy finds a wider verify pass nearly as cheap. With
         `successors` (the plan's `recycle`), recycled nodes join the n-gram
         proposal, or make a tree of their own where that beats the layers.
+        With `last` (the last token `[1, 1]` on the device: the static step),
+        the layers draft a chain on the device (`layer_chain`).
         """
         copied = self.free_draft(runner, scorer, tokens, policy, successors)
         if copied is not None:
             return copied
-        if self.tree_nodes and self.has_layers and policy.tree_nodes(1, self.tree_nodes,
-                                                                     exact_prefix=self.exact_prefix) > 1:
+        if last is None and self.tree_nodes and self.has_layers and policy.tree_nodes(
+                1, self.tree_nodes, exact_prefix=self.exact_prefix) > 1:
             return self.layer_tree(runner, scorer, tokens, policy)
-        start = len(tokens) - 1
-        drafted: list[int] = []
-        confidences: list[float] = []
-        probs: list[torch.Tensor] = []
-        boundary: list[torch.Tensor] = []
-        token = tokens[-1]
-        confidence = None
-        while self.has_layers and policy.draft_next(len(drafted), confidence):
-            i = len(drafted)
-            logits = self.step(runner, token, start + i, boundary)  # [1, vocab]
-            scores = scorer.scores(logits, tokens + drafted, len(tokens) + i)  # [1, vocab]
-            token, confidence, q = scorer.draft_choice(scores, with_confidence=policy.wants_confidence)
-            drafted.append(token)
-            if confidence is not None:
-                confidences.append(confidence)
-            if q is not None:
-                probs.append(q)
-        return Draft(drafted, torch.stack(probs) if probs else None, boundary, confidences=confidences)
+        return self.layer_chain(runner, scorer, tokens, policy, last)
 
     def free_draft(self, runner: LayerRunner, scorer: Scorer, tokens: list[int], policy,
                    successors: SuccessorTable | None) -> Draft | None:
@@ -143,36 +128,42 @@ class Drafter:
                 return grown
         return copied
 
-    def propose_on_device(self, runner: LayerRunner, scorer: Scorer, tokens: list[int], policy,
-                          successors: SuccessorTable | None, last: torch.Tensor) -> Draft:
-        """`propose` for the static step: nothing is read back. A free draft as `propose` makes it, else a chain of
-        `policy.planned_length()` layer tokens after `last` `[1, 1]`, each step fed the previous step's choice on
-        the device (`Draft.pending`)."""
-        copied = self.free_draft(runner, scorer, tokens, policy, successors)
-        if copied is not None:
-            return copied
-        k = policy.planned_length() if self.has_layers else 0
-        start = len(tokens) - 1  # `last`'s position
-        # Logits processors that read earlier tokens get them on the device (none: nothing is copied).
-        history = torch.tensor(tokens, device=last.device) if scorer.processors else None  # [n]
-        drafted: list[torch.Tensor] = []  # each [1, 1]
-        confidences: list[torch.Tensor] = []  # each 0-d
-        probs: list[torch.Tensor] = []  # each [vocab]
-        boundary: list[torch.Tensor] = []  # each [1, 1, hidden]
-        token = last
-        for i in range(k):
+    def layer_chain(self, runner: LayerRunner, scorer: Scorer, tokens: list[int], policy,
+                    last: torch.Tensor | None) -> Draft:
+        """The plan's layers, one token at a time. On the host (`last` None) each token is read back as it is
+        chosen, and `policy.draft_next` may stop at any; on the device (after `last` `[1, 1]`) the chain is
+        `policy.planned_length()` tokens, each step fed the previous step's choice, and nothing is read back
+        (`Draft.pending`)."""
+        on_device = last is not None
+        planned = policy.planned_length() if on_device and self.has_layers else 0
+        start = len(tokens) - 1  # the last token's position
+        # On the device, logits processors that read earlier tokens get them there (none: nothing is copied).
+        history = torch.tensor(tokens, device=last.device) if on_device and scorer.processors else None  # [n]
+        drafted: list = []  # token ids, or `[1, 1]` device tensors
+        confidences: list = []  # floats, or 0-d device tensors
+        probs: list[torch.Tensor] = []  # q `[vocab]` each (sampling)
+        boundary: list[torch.Tensor] = []  # `[1, 1, hidden]` each: the states after the exact prefix
+        token, confidence = (last if on_device else tokens[-1]), None
+        while self.has_layers and (len(drafted) < planned if on_device else policy.draft_next(len(drafted), confidence)):
+            i = len(drafted)
             logits = self.step(runner, token, start + i, boundary)  # [1, vocab]
-            context = None if history is None else torch.cat([history, *(t.view(1) for t in drafted)])
-            scores = scorer.scores(logits, context, len(tokens) + i)  # [1, vocab]
-            token, confidence, q = scorer.draft_choice_on_device(scores, with_confidence=policy.wants_confidence)
+            if on_device:
+                context = None if history is None else torch.cat([history, *(t.view(1) for t in drafted)])
+                scores = scorer.scores(logits, context, len(tokens) + i)  # [1, vocab]
+                token, confidence, q = scorer.draft_choice_on_device(scores, with_confidence=policy.wants_confidence)
+            else:
+                scores = scorer.scores(logits, tokens + drafted, len(tokens) + i)  # [1, vocab]
+                token, confidence, q = scorer.draft_choice(scores, with_confidence=policy.wants_confidence)
             drafted.append(token)
             if confidence is not None:
                 confidences.append(confidence)
             if q is not None:
                 probs.append(q)
-        on_device = torch.cat(drafted).view(-1) if drafted else torch.empty(0, dtype=torch.long, device=last.device)
-        return Draft([], torch.stack(probs) if probs else None, boundary,
-                     pending=(on_device, torch.stack(confidences) if confidences else None))
+        q = torch.stack(probs) if probs else None  # [k, vocab]
+        if not on_device:
+            return Draft(drafted, q, boundary, confidences=confidences)
+        chain = torch.cat(drafted).view(-1) if drafted else torch.empty(0, dtype=torch.long, device=last.device)  # [k]
+        return Draft([], q, boundary, pending=(chain, torch.stack(confidences) if confidences else None))
 
     def layer_tree(self, runner: LayerRunner, scorer: Scorer, tokens: list[int], policy) -> Draft:
         """A layer draft grown as a tree, level by level (EAGLE-2's expansion), as deep as `policy` says.
@@ -256,14 +247,13 @@ class Drafter:
         if base is None:
             base_tree, reach = None, []
         else:
-            base_tree = base.tree or TokenTree(tuple(base.tokens), tuple(range(-1, len(base.tokens) - 1)))
+            base_tree = base.tree or TokenTree.chain(base.tokens)
             # `base.tokens` is the tree's first path: nodes 0..len-1 (`TokenTree.from_paths`); other branches: 0.
             first = policy.ngram_reach(base.match_length, len(base.tokens))
             reach = first + [0.0] * (len(base_tree) - len(first))
-        tree, values = successors.grow(tokens[-2] if len(tokens) > 1 else None, tokens[-1], base_tree, reach,
-                                       max_nodes=self.tree_nodes, max_depth=policy.round_budget)
+        tree, values, depths = successors.grow_after(tokens, base_tree, reach, max_nodes=self.tree_nodes,
+                                                     max_depth=policy.round_budget)
         base_nodes = len(base_tree) if base_tree is not None else 0
-        depths = tree.depths()[1 + base_nodes :]  # each recycled node's depth (row 0 is the root)
         added = policy.recycled_nodes(values, depths, base_nodes=base_nodes, base_expected=1.0 + sum(reach),
                                       layers=self.has_layers)
         if not added:

@@ -84,6 +84,14 @@ class SuccessorTable:
         found = self.by_pair.get((previous, token)) if previous is not None else None
         return found if found is not None else self.by_token.get(token)
 
+    def grow_after(self, tokens: list[int], base: TokenTree | None, base_reach: list[float], *, max_nodes: int,
+                   max_depth: int) -> tuple[TokenTree, list[float], list[int]]:
+        """`grow` under the last of `tokens` (a sequence's or a row's): the tree, and per recycled node its value
+        and its depth."""
+        tree, values = self.grow(tokens[-2] if len(tokens) > 1 else None, tokens[-1], base, base_reach,
+                                 max_nodes=max_nodes, max_depth=max_depth)
+        return tree, values, tree.depths()[1 + (len(base) if base is not None else 0) :]
+
     def grow(self, previous: int | None, last: int, base: TokenTree | None, base_reach: list[float], *,
              max_nodes: int, max_depth: int) -> tuple[TokenTree, list[float]]:
         """`base` (may be None: no nodes) with recycled nodes added, best first, up to `max_nodes` nodes in all.

@@ -69,10 +69,8 @@ def run_rounds(d: Decoding) -> None:
         start, recycling = d.begin_round()  # start: the position of the last emitted token
         last = torch.tensor([[out.tokens[-1]]], device=device)  # [1, 1]
         # 1. draft: what is free first (an n-gram match, recycled predictions), else the plan's layers
-        if runner.drafts_on_device:
-            draft = d.drafter.propose_on_device(runner, d.scorer, out.tokens, d.policy, recycling, last)
-        else:
-            draft = d.drafter.propose(runner, d.scorer, out.tokens, d.policy, recycling)
+        draft = d.drafter.propose(runner, d.scorer, out.tokens, d.policy, recycling,
+                                  last if runner.drafts_on_device else None)
         drafted_at = clock.mark()
         # 2.-4. verify in one pass, accept, read back once, roll back the cache to what was kept
         if draft.tree is None:

@@ -36,6 +36,11 @@ class TokenTree:
                 raise ValueError(f"node {i} has parent {parent}: parents come before their children (or -1, the root)")
 
     @classmethod
+    def chain(cls, tokens: list[int] | tuple[int, ...]) -> TokenTree:
+        """The tree of one path: each token under the one before it."""
+        return cls(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
+
+    @classmethod
     def from_paths(cls, paths: list[list[int]], *, max_nodes: int) -> TokenTree:
         """The trie of `paths` (shared prefixes merged), in order, cut at `max_nodes` nodes."""
         tokens: list[int] = []

@@ -35,7 +35,7 @@ from selfspec.batch_draft import DraftRound
 from selfspec.batch_generate import batch_costs
 from selfspec.costs import PassCosts, RuntimeCosts
 from selfspec.ngram import NgramIndex
-from selfspec.testing import TINY_CONFIGS, make_head, random_prompt, tiny_model
+from selfspec.testing import TINY_CONFIGS, make_feature_head, make_head, random_prompt, tiny_model
 
 ARCHS = sorted(TINY_CONFIGS)
 NGRAM = selfspec.DraftPlan(ngram=2, draft_length=4, policy="fixed")  # n-gram drafts only (no layers)
@@ -116,7 +116,8 @@ def scripted_continuations(references: list[list[int]], seed: int, vocab: int = 
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("plan", [NGRAM_TREES, NGRAM_LAYERS_TREES, "head"], ids=["ngram", "ngram+layers", "ngram+head"])
+@pytest.mark.parametrize("plan", [NGRAM_TREES, NGRAM_LAYERS_TREES, "head", "features"],
+                         ids=["ngram", "ngram+layers", "ngram+head", "ngram+features"])
 def test_ngram_trees_fill_the_room_chains_leave_and_rows_stay_exact(arch, plan, monkeypatch, tmp_path):
     """A row whose n-gram chain is shorter than the batch's widest draft verifies its other continuations in
     that room, as a token tree (at other positions than its slots, seeing only its ancestors; the kept path's
@@ -126,6 +127,9 @@ def test_ngram_trees_fill_the_room_chains_leave_and_rows_stay_exact(arch, plan, 
     if plan == "head":  # the head's own cache row moves with the kept path, or its next drafts read stale entries
         head = make_head(model, tmp_path / "head", exit_layer=1, noise=0.05)
         plan = selfspec.DraftPlan(ngram=2, exit_layer=1, head=str(head), tree=6, draft_length=4, policy="fixed")
+    if plan == "features":  # a node's head input is its parent's fused state; the row's next f, its kept path's
+        head = make_feature_head(model, tmp_path / "features")
+        plan = selfspec.DraftPlan(ngram=2, head=str(head), tree=6, draft_length=4, policy="fixed")
     prompts = [repetitive(n, seed=s) for n, s in ((14, 1), (9, 2), (5, 3))]
     references = [p + alone(model, p, max_new_tokens=24) for p in prompts]
     monkeypatch.setattr(NgramIndex, "continuations", scripted_continuations(references, seed=len(arch)))
@@ -135,18 +139,58 @@ def test_ngram_trees_fill_the_room_chains_leave_and_rows_stay_exact(arch, plan, 
     assert sum(s.tree_rounds for s in stats) > 0 and sum(s.tree_accepted for s in stats) > 0, stats
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gpt2"])
+def test_a_feature_heads_cache_after_batched_trees_holds_what_the_targets_states_give(arch, monkeypatch, tmp_path):
+    """Trees whose kept paths run through branches: after each round, a row's head entries equal the head run
+    over (f at p - 1, token p) of its tokens in one pass, so a node's input was its parent's state, not the row
+    before it, and the row's next draft starts from its kept path's last state."""
+    from selfspec.registry import model_parts
+    from selfspec.runner import LayerRunner
+
+    model = tiny_model(arch, torch.float64)
+    head_path = make_feature_head(model, tmp_path / "features", noise=0.2)
+    plan = selfspec.DraftPlan(ngram=2, head=str(head_path), tree=6, draft_length=4, policy="fixed")
+    prompts = [repetitive(14, seed=1), repetitive(9, seed=2)]
+    references = [p + alone(model, p, max_new_tokens=40) for p in prompts]
+    monkeypatch.setattr(NgramIndex, "continuations", scripted_continuations(references, seed=3))
+    spec = selfspec.wrap(model, plan=plan, costs="flat")
+    head = spec.head
+    session = spec.batch_session()
+    rows = [session.add(p, max_new_tokens=40) for p in prompts]
+    checked = 0
+    for _ in range(8):
+        session.step()
+        for i, row in enumerate(session.rows):
+            length = session.runner.cache.lengths[i]
+            tokens = row.out.tokens[:length]
+            fresh = LayerRunner(model_parts(model), capacity=length, head=head)
+            _, features = spec.passes.run_reading(fresh, fresh.embed(tokens, 0), 0)
+            before = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], dim=1)
+            fresh.run(head.inputs(fresh.embed(tokens, 0), before), [head.slot], 0)
+            keys, _ = session.runner.cache.row_entries(i)[head.slot]  # [kv_heads, length, head_dim]
+            expected, _ = fresh.cache.entries(head.slot)
+            torch.testing.assert_close(keys, expected[0, :, :length], rtol=1e-6, atol=1e-8)
+            torch.testing.assert_close(row.feature[0, 0], features[0, -1], rtol=1e-6, atol=1e-8)
+            checked += 1
+    assert checked and sum(r.stats.tree_rounds for r in rows) > 0 and sum(r.stats.tree_accepted for r in rows) > 0
+
+
 RECYCLED = selfspec.DraftPlan(recycle=True, tree=8, draft_length=4)  # recycled trees alone
 NGRAM_RECYCLED = selfspec.DraftPlan(recycle=True, ngram=2, tree=10, draft_length=5)  # grown n-gram chains too
 LAYERS_RECYCLED = selfspec.DraftPlan(recycle=True, ngram=2, layers=(0,), tree=10, draft_length=4)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("plan", [RECYCLED, NGRAM_RECYCLED, LAYERS_RECYCLED], ids=["recycled", "ngram", "layers"])
-def test_recycled_trees_in_a_batch_keep_every_row_exact(arch, plan):
+@pytest.mark.parametrize("plan", [RECYCLED, NGRAM_RECYCLED, LAYERS_RECYCLED, "features"],
+                         ids=["recycled", "ngram", "layers", "features"])
+def test_recycled_trees_in_a_batch_keep_every_row_exact(arch, plan, tmp_path):
     """Each row grows the target's recorded next tokens into a tree (alone, or under its n-gram chain) and
     verifies it in the batch's pass: every row still equals `model.generate` on its prompt alone (float64),
     and recycled nodes were drafted and kept."""
     model = tiny_model(arch, torch.float64)
+    if plan == "features":
+        head = make_feature_head(model, tmp_path / "features")
+        plan = selfspec.DraftPlan(recycle=True, ngram=2, head=str(head), tree=10, draft_length=4)
     spec = selfspec.wrap(model, plan=plan, costs="flat")
     prompts = [repetitive(14, seed=1), random_prompt(9, seed=2)[0].tolist(), repetitive(5, seed=3)]
     assert_rows_alone(model, spec, prompts, max_new_tokens=32)
@@ -331,6 +375,28 @@ def test_a_batch_drafts_only_past_the_margin_and_prices_the_longest_rows_context
     session.calibration.observe(predicted=40.0, realized=20.0)
     assert session.calibration.ratio == pytest.approx(24 / 44)
     assert cut(session, free, two)[0] == 0
+
+
+def test_recycled_nodes_are_priced_after_the_chain_they_grow():
+    """A row's cut counts its chain's tokens first, then its recycled nodes' gains; a pass that is dear past
+    two tokens keeps the chain alone, a free one takes the nodes too."""
+    session = selfspec.wrap(tiny_model("llama", torch.float32), plan=NGRAM_RECYCLED).batch_session()
+
+    def priced(costs, gains):
+        batch = DraftRound([None] * 2, [0, 0], [8, 8], session.acceptance, lambda: costs)
+        batch.drafts[0].source, batch.drafts[0].tokens, batch.drafts[0].odds = "ngram", [7], [0.9]
+        batch.drafts[0].gains = gains
+        batch.drafts[1].source, batch.drafts[1].gains = "recycled", gains
+        return batch.length()
+
+    free = RuntimeCosts(PassCosts((1.0,) * 6, 0.0, 4), learn=False)
+    assert priced(free, [0.5, 0.25]) == (3, pytest.approx(0.9 + 0.5 + 0.25 + 0.5 + 0.25))
+    dear = RuntimeCosts(PassCosts((1.0, 1.0, 3.0, 3.0, 3.0, 3.0), 0.0, 4), learn=False)
+    assert priced(dear, [0.5, 0.25]) == (1, pytest.approx(0.9 + 0.5))
+    assert priced(free, [])[0] == 1  # no gains: the chain alone
+    row = DraftRound([None], [0], [8], session.acceptance, lambda: free).drafts[0]
+    row.tokens, row.odds, row.gains = [7], [0.9], [0.5, 0.25]
+    assert [row.nodes(k) for k in (0, 1, 2, 3, 4)] == [0, 1, 2, 3, 3]  # nodes verified at each cut
 
 
 def test_bad_batches_get_clear_errors():

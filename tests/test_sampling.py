@@ -703,33 +703,25 @@ def scripted_trees(monkeypatch, seed: int) -> None:
     monkeypatch.setattr(NgramIndex, "continuations", continuations)
 
 
-def test_batched_sampling_over_ngram_trees_keeps_each_rows_law(model, monkeypatch):
-    """Rows verify n-gram trees in the room shorter chains leave (`batch.py`): each row's first 4 tokens follow
-    its own exact law at T=0.9 (16 checks, 8 per row, at DELTA = 1e-7, N = 1,000 batches)."""
-    scripted_trees(monkeypatch, seed=5)
-    prompts = [TREE_PROMPT, PROMPT]
-    spec = selfspec.wrap(model, plan=BATCH_TREES, costs="flat")
-    counts, totals = batch_run_many(spec, N_E2E, seed=19, prompts=prompts, temperature=0.9)
-    assert totals["tree_rounds"] > 0 and totals["tree_accepted"] > 0, totals
-    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.9)])
-    for row, (prompt, row_counts) in enumerate(zip(prompts, counts)):
-        assert_joint_matches(row_counts, exact_joint(model, warpers, NEW, prompt), f"batch trees: row {row}")
-
-
 BATCH_RECYCLED = selfspec.DraftPlan(recycle=True, ngram=1, tree=6, draft_length=3)
 
 
-def test_batched_sampling_over_recycled_trees_keeps_each_rows_law(model):
-    """Rows verify trees grown from their own recorded next tokens (`batch_draft.RecycledRows`), alone or under
-    an n-gram chain, priced by the cost table: each row's first 4 tokens follow its own exact law at T=0.9
-    (16 checks, 8 per row, at DELTA = 1e-7, N = 1,000 batches)."""
+@pytest.mark.parametrize("trees", ["ngram", "recycled"])
+def test_batched_sampling_over_trees_keeps_each_rows_law(model, monkeypatch, trees):
+    """Rows verify trees in a batch (`batch.py`): n-gram continuations in the room shorter chains leave, or trees
+    grown from their own recorded next tokens (`batch_draft.RecycledRows`), alone or under an n-gram chain,
+    priced by the cost table. Each row's first 4 tokens follow its own exact law at T=0.9 (16 checks, 8 per
+    row, at DELTA = 1e-7, N = 1,000 batches)."""
+    if trees == "ngram":
+        scripted_trees(monkeypatch, seed=5)
+    plan, seed, drafted = (BATCH_TREES, 19, "tree_rounds") if trees == "ngram" else (BATCH_RECYCLED, 23, "recycled_drafted")
     prompts = [TREE_PROMPT, PROMPT]
-    spec = selfspec.wrap(model, plan=BATCH_RECYCLED, costs="flat")
-    counts, totals = batch_run_many(spec, N_E2E, seed=23, prompts=prompts, temperature=0.9)
-    assert totals["recycled_drafted"] > 0 and totals["recycled_accepted"] > 0, totals
+    spec = selfspec.wrap(model, plan=plan, costs="flat")
+    counts, totals = batch_run_many(spec, N_E2E, seed=seed, prompts=prompts, temperature=0.9)
+    assert totals[drafted] > 0 and totals["tree_accepted"] > 0, totals
     warpers = LogitsProcessorList([TemperatureLogitsWarper(0.9)])
     for row, (prompt, row_counts) in enumerate(zip(prompts, counts)):
-        assert_joint_matches(row_counts, exact_joint(model, warpers, NEW, prompt), f"batch recycled: row {row}")
+        assert_joint_matches(row_counts, exact_joint(model, warpers, NEW, prompt), f"batch {trees} trees: row {row}")
 
 
 def keep_the_first_path(tree, target_probs, generator=None):
