@@ -41,7 +41,7 @@ from .parts import ModelParts
 from .plan import DraftPlan
 from .prefix_cache import PrefixCache
 from .policy import DECAY, IDLE_DECAY, AcceptanceEstimates, Calibration
-from .recycle import chain_contexts, tree_contexts
+from .recycle import SuccessorTable, chain_contexts, tree_contexts
 from .scoring import Scorer
 from .stats import BatchStats
 from .tree import TokenTree, accept_tree_greedy, accept_tree_sampling
@@ -151,7 +151,7 @@ class BatchSession:
         self.runner.grow(capacity)
         row = BatchRow(Output(prompt, settings, streamer), Scorer(settings, generator), len(prompt),
                        self.ngram.index() if self.ngram else None,
-                       successors=self.recycled.table() if self.recycled else None)
+                       successors=SuccessorTable() if self.recycled else None)
         if streamer is not None:
             streamer.put(torch.tensor(prompt))
         clock = Clock(self.parts.device)
@@ -223,7 +223,8 @@ class BatchSession:
                 kept = self._accept_chain(i, row, proposal, draft, logits[i, : len(draft) + 1], batch.starts[i])
             # 6. emit and record
             row.out.emit(kept)
-            grown = len(tree) - len(proposal.tokens) if tree is not None and proposal.grown is not None else 0
+            # Recycled nodes verified: a grown tree's nodes past its whole chain (a cut chain's tree has none).
+            grown = max(0, len(tree) - len(proposal.tokens)) if tree is not None and proposal.grown is not None else 0
             on_path = sum(node >= len(proposal.tokens) for node in path) if grown else 0
             row.stats.record_round(drafted=len(tree) if tree else len(draft), accepted=len(kept) - 1,
                                    draft_seconds=draft_seconds / n, verify_seconds=verify_seconds / n,

@@ -221,9 +221,6 @@ class RecycledRows:
         self.max_nodes = max_nodes
         self.calibration = DepthCalibration()  # what every row's verified recycled nodes earned
 
-    def table(self) -> SuccessorTable:
-        return SuccessorTable()
-
     def propose(self, batch: DraftRound) -> None:
         ratios = (self.calibration if batch.learned else DepthCalibration()).ratios()
         for row, budget, draft in zip(batch.rows, batch.budgets, batch.drafts):

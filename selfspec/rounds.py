@@ -67,17 +67,17 @@ def run_rounds(d: Decoding) -> None:
     mark = clock.mark()  # the last round's end: a round's draft time runs from it
     while not out.done:
         start, recycling = d.begin_round()  # start: the position of the last emitted token
-        last = torch.tensor([[out.tokens[-1]]], device=device)  # [1, 1]
+        # The last token `[1, 1]` on the device, where the draft's layers start from it there.
+        last = torch.tensor([[out.tokens[-1]]], device=device) if runner.drafts_on_device else None
         # 1. draft: what is free first (an n-gram match, recycled predictions), else the plan's layers
-        draft = d.drafter.propose(runner, d.scorer, out.tokens, d.policy, recycling,
-                                  last if runner.drafts_on_device else None)
+        draft = d.drafter.propose(runner, d.scorer, out.tokens, d.policy, recycling, last)
         drafted_at = clock.mark()
         # 2.-4. verify in one pass, accept, read back once, roll back the cache to what was kept
         if draft.tree is None:
-            accepted, token = verify_chain(d, draft, last, start, recycling)
+            accepted, token = verify_chain(d, draft, start, recycling, last)
             kept = draft.tokens[:accepted]
         else:
-            path, token = verify_tree(d, draft, last, start, recycling)
+            path, token = verify_tree(d, draft, start, recycling)
             kept = draft.tree.path_tokens(path)
         verified_at = clock.mark()
         # 5. emit (stops at EOS, a stopping criterion or max_new_tokens)
@@ -93,15 +93,20 @@ def run_rounds(d: Decoding) -> None:
         mark = verified_at
 
 
-def verify_chain(d: Decoding, draft: Draft, last: torch.Tensor, start: int,
-                 recycling: SuccessorTable | None) -> tuple[int, int]:
-    """The target over `last` `[1, 1]` and the chain; (accepted drafted tokens, the target's next token).
+def verify_chain(d: Decoding, draft: Draft, start: int, recycling: SuccessorTable | None,
+                 last: torch.Tensor | None) -> tuple[int, int]:
+    """The target over the last token and the chain; (accepted drafted tokens, the target's next token).
 
-    A device draft's tokens and confidences come back with the verdict (`Draft.pending` is then filled in)."""
+    A device draft (after `last` `[1, 1]`) has its tokens and confidences come back with the verdict
+    (`Draft.pending` is then filled in)."""
     runner, scorer, out = d.runner, d.scorer, d.out
     pending = draft.pending
-    drafted = pending[0] if pending else torch.tensor(draft.tokens, dtype=torch.long, device=last.device)  # [k]
-    checked = d.passes.verify(runner, torch.cat([last, drafted[None]], dim=1), draft.boundary, start)
+    if pending:
+        ids = torch.cat([last, pending[0][None]], dim=1)  # [1, k+1]
+    else:
+        ids = torch.tensor([[out.tokens[-1], *draft.tokens]], device=runner.positions.device)  # [1, k+1]
+    drafted = ids[0, 1:]  # [k]
+    checked = d.passes.verify(runner, ids, draft.boundary, start)
     if not scorer.processors:
         context = None  # processors alone read earlier tokens
     elif pending:
@@ -132,12 +137,11 @@ def verify_chain(d: Decoding, draft: Draft, last: torch.Tensor, start: int,
     return accepted, token
 
 
-def verify_tree(d: Decoding, draft: Draft, last: torch.Tensor, start: int,
-                recycling: SuccessorTable | None) -> tuple[list[int], int]:
-    """The target over `last` `[1, 1]` and a token tree; (the kept path's nodes, the target's next token), the
+def verify_tree(d: Decoding, draft: Draft, start: int, recycling: SuccessorTable | None) -> tuple[list[int], int]:
+    """The target over the last token and a token tree; (the kept path's nodes, the target's next token), the
     kept path's entries moved into place (`tree.py`)."""
     runner, scorer, out, tree = d.runner, d.scorer, d.out, draft.tree
-    ids = torch.cat([last, torch.tensor([tree.tokens], device=last.device)], dim=1)  # [1, n+1]
+    ids = torch.tensor([[out.tokens[-1], *tree.tokens]], device=runner.positions.device)  # [1, n+1]
     checked = d.passes.verify_tree(runner, ids, tree, start)
     scores = scorer.tree_scores(checked.logits, out.tokens, tree)  # [n+1, vocab]
     if scorer.do_sample:
