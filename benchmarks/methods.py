@@ -63,10 +63,15 @@ ALL_METHODS = (
     "hf-static-compile",
     "selfspec-plain-fast",
     "selfspec-plan-fast",
+    "selfspec-plain-hooks",
+    "selfspec-plan-hooks",
     "llama-cpp",
 )
 FAST_METHODS = ("hf-static-compile", "selfspec-plain-fast", "selfspec-plan-fast")  # by default on CUDA only
-OPTIONAL_METHODS = ("llama-cpp",)  # in the default run only where llama-cpp-python is installed, on a CPU
+OPTIONAL_METHODS = ("llama-cpp",)
+# An offloaded model's layers loaded by accelerate's hooks at every call instead of selfspec's stream: asked for by
+# name only (`--methods`), to separate what streaming gives from what drafting gives.
+HOOKS_METHODS = ("selfspec-plain-hooks", "selfspec-plan-hooks")  # in the default run only where llama-cpp-python is installed, on a CPU
 STATIC_CACHE_LENGTH = 2048  # positions of hf-static-compile's one cache: prompt + new tokens must fit
 
 
@@ -178,10 +183,10 @@ def fast_step(model) -> str:
 
 
 HELD = "held"  # `costs=HELD`: each plan's cost table measured once, then injected (`held_costs`)
-_held_tables = weakref.WeakKeyDictionary()  # model -> {(plan, step): PassCosts}
+_held_tables = weakref.WeakKeyDictionary()  # model -> {(plan, step, offload_stream): PassCosts}
 
 
-def held_costs(model, plan: DraftPlan, step: str):
+def held_costs(model, plan: DraftPlan, step: str, offload_stream: bool = True):
     """The plan's cost table as this machine measures it (or its cache holds it), measured once per process and
     then injected: an injected table is never refined by the rounds' timings, so plans compared in one run price
     their passes the same from the first prompt to the last (refined tables part ways with the timing noise, and
@@ -189,17 +194,17 @@ def held_costs(model, plan: DraftPlan, step: str):
     if not (plan.drafts and plan.policy == "cost"):
         return None
     tables = _held_tables.setdefault(model, {})
-    key = (repr(plan.to_dict()), step)
+    key = (repr(plan.to_dict()), step, offload_stream)
     if key not in tables:
-        tables[key] = selfspec.wrap(model, plan=plan, step=step).costs
+        tables[key] = selfspec.wrap(model, plan=plan, step=step, offload_stream=offload_stream).costs
     return tables[key]
 
 
 def selfspec_method(name: str, description: str, model, plan: DraftPlan, *, max_new_tokens: int, costs=None,
-                    step: str = "eager") -> Method:
+                    step: str = "eager", offload_stream: bool = True) -> Method:
     if costs == HELD:
-        costs = held_costs(model, plan, step)
-    spec = selfspec.wrap(model, plan=plan, costs=costs, step=step)
+        costs = held_costs(model, plan, step, offload_stream)
+    spec = selfspec.wrap(model, plan=plan, costs=costs, step=step, offload_stream=offload_stream)
 
     def run(input_ids: torch.Tensor, streamer=None) -> tuple[torch.Tensor, PassCounts]:
         out = spec.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, streamer=streamer)
@@ -249,6 +254,13 @@ def build_method(
         step = fast_step(model)
         return selfspec_method(name, f"selfspec, plan {plan.name or '(unnamed)'}, policy {plan.policy}, step={step}",
                                model, plan, max_new_tokens=max_new_tokens, costs=costs, step=step)
+    if name == "selfspec-plain-hooks":
+        return selfspec_method(name, "selfspec, no drafting, offloaded layers loaded by accelerate's hooks", model,
+                               DraftPlan.plain(), max_new_tokens=max_new_tokens, offload_stream=False)
+    if name == "selfspec-plan-hooks":
+        return selfspec_method(name, f"selfspec, plan {plan.name or '(unnamed)'}, offloaded layers loaded by "
+                               f"accelerate's hooks", model, plan, max_new_tokens=max_new_tokens, costs=costs,
+                               offload_stream=False)
     if name == "llama-cpp":
         from .llama_cpp import llama_cpp_method
 
@@ -283,7 +295,7 @@ def default_methods(plan: DraftPlan | None, device: str = "cpu") -> list[str]:
     with_llama_cpp = device.startswith("cpu") and llama_cpp_installed()
     return [m for m in ALL_METHODS
             if (m != "selfspec-fixed" or with_fixed) and (m not in FAST_METHODS or device.startswith("cuda"))
-            and (m not in OPTIONAL_METHODS or with_llama_cpp)]
+            and (m not in OPTIONAL_METHODS or with_llama_cpp) and m not in HOOKS_METHODS]
 
 
 def llama_cpp_installed() -> bool:

@@ -54,6 +54,8 @@ class CostTables:
         step = {} if self.step == "eager" else {"step": self.step}  # other shapes, other costs
         # Offloaded layers load their weights every pass: a verify over 16 tokens may cost what 1 does.
         placement = {"offloaded": describe_layers(self.offloaded)} if self.offloaded else {}
+        if self.offloaded and self.parts.stream:  # selfspec loads them itself (`streaming.py`): other costs
+            placement["streamed"] = describe_layers(tuple(self.parts.stream.order))
         return cache_key(
             **weights,
             **step,

@@ -16,6 +16,7 @@ kernels (`kernel_choice.py`) nor key cost tables (`cost_tables.py`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -47,6 +48,7 @@ from .registry import adapter_for
 from .runner import LayerRunner
 from .sequence import decode_sequence
 from .static import GraphedRunner, StaticRunner
+from .streaming import LayerStream
 from .stats import BatchStats, GenerationStats
 from .vocab import DraftVocab, load_vocab
 
@@ -63,6 +65,7 @@ def wrap(
     kernels: str = "measured",
     reproducible: bool = True,
     prefix_cache: int | str | None = None,
+    offload_stream: bool = True,
 ) -> "SelfSpecModel":
     """Wrap a Hugging Face causal LM for self-speculative generation. The model is not modified.
 
@@ -100,11 +103,15 @@ def wrap(
     the KV of finished generations, least recently used out first, so a prompt
     that starts as an earlier sequence did (a chat's next turn) prefills only
     the rest (`prefix_cache.py`; `last_stats.cached_tokens` says how much).
+    `offload_stream` (True): the layers accelerate offloads are loaded by
+    selfspec for its passes, the next one while one computes
+    (`streaming.py`); False: accelerate's hooks load them at every call.
     """
     adapter = adapter_for(model)
     offloaded = offloaded_layers(adapter.bind(model).layers)
     return SelfSpecModel(model, adapter=adapter, plan=as_plan(plan, adapter, model.config, offloaded), costs=costs,
-                         step=step, kernels=kernels, reproducible=reproducible, prefix_cache=prefix_cache)
+                         step=step, kernels=kernels, reproducible=reproducible, prefix_cache=prefix_cache,
+                         offload_stream=offload_stream)
 
 
 class SelfSpecModel:
@@ -113,6 +120,7 @@ class SelfSpecModel:
     def __init__(
         self, model, *, adapter: Adapter, plan: DraftPlan, costs: PassCosts | str | None = None, step: str = "auto",
         kernels: str = "measured", reproducible: bool = True, prefix_cache: int | str | None = None,
+        offload_stream: bool = True,
     ) -> None:
         check_choice(kernels)
         budget = parse_bytes(prefix_cache) if prefix_cache is not None else 0
@@ -125,6 +133,8 @@ class SelfSpecModel:
         self.parts: ModelParts = adapter.bind(model)
         self.plan = plan
         self.offloaded = offloaded_layers(self.parts.layers)  # layers whose weights a hook loads for every call
+        if self.offloaded and offload_stream:  # selfspec loads them itself, the next while one computes
+            self.parts = dataclasses.replace(self.parts, stream=LayerStream(self.parts.layers, self.parts.device))
         warn_offloaded_draft(plan, self.offloaded, self.parts.num_layers)
         self.quantization = describe_quantization(model)  # None, or which weights are quantized and how
         self.head: ExitHead | FeatureHead | None = None
@@ -243,7 +253,8 @@ class SelfSpecModel:
                 raise ValueError("this model's config has no max_position_embeddings: pass context=N (positions)")
         vocab = () if self.vocab is None else (self.vocab.weight, self.vocab.bias, self.vocab.ids)
         return memory_report(self.model, self.parts, context=context, head=self.head, vocab_tensors=vocab,
-                             quantization=self.quantization)
+                             quantization=self.quantization,
+                             slot_bytes=self.parts.stream.slot_bytes() if self.parts.stream else 0)
 
     def linear_kernels(self) -> LinearKernels:
         """How the linear layers run their passes here (`kernel_choice.py`)."""

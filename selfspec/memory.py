@@ -48,10 +48,16 @@ class MemoryReport:
     quantization: str | None  # what is quantized, or None
     offloaded_bytes: int = 0  # of the weights: those held outside fast memory between calls (accelerate's offload)
     offloaded_layers: tuple[int, ...] = ()  # the decoder layers they belong to
+    slot_bytes: int = 0  # the two layer slots selfspec streams offloaded layers through (`streaming.py`)
 
     @property
     def total_bytes(self) -> int:
         return self.weight_bytes + self.kv_cache_bytes + self.head_bytes + self.vocab_bytes
+
+    @property
+    def resident_bytes(self) -> int:
+        """What stays in fast memory: everything but the offloaded weights, plus the slots they stream through."""
+        return self.total_bytes - self.offloaded_bytes + self.slot_bytes
 
     def summary(self) -> str:
         """One line: weights (of which embedding), KV cache for the context, and the plan's extras, in MiB."""
@@ -65,7 +71,10 @@ class MemoryReport:
         line += f"; {self.total_bytes / MIB:.1f} MiB in all"
         if self.offloaded_layers:
             line += (f"; offloaded: layers {describe_layers(self.offloaded_layers)} "
-                     f"({self.offloaded_bytes / MIB:.1f} MiB, read from the offload for every pass)")
+                     f"({self.offloaded_bytes / MIB:.1f} MiB, read from the offload for every pass")
+            if self.slot_bytes:
+                line += f", streamed through two slots of {self.slot_bytes / 2 / MIB:.1f} MiB"
+            line += f"); resident {self.resident_bytes / MIB:.1f} MiB"
         return line + (f" ({self.quantization})" if self.quantization else "")
 
 
@@ -102,7 +111,8 @@ def kv_cache_bytes(parts: ModelParts, config, *, context: int, extra_layers: int
 
 
 def memory_report(model: nn.Module, parts: ModelParts, *, context: int, head: nn.Module | None = None,
-                  vocab_tensors: tuple[torch.Tensor | None, ...] = (), quantization: str | None = None) -> MemoryReport:
+                  vocab_tensors: tuple[torch.Tensor | None, ...] = (), quantization: str | None = None,
+                  slot_bytes: int = 0) -> MemoryReport:
     if context < 1:
         raise ValueError(f"context={context} out of range (valid: an integer >= 1)")
     return MemoryReport(
@@ -115,6 +125,7 @@ def memory_report(model: nn.Module, parts: ModelParts, *, context: int, head: nn
         quantization=quantization,
         offloaded_bytes=parameter_bytes([parts.layers[i] for i in offloaded_layers(parts.layers)]),
         offloaded_layers=offloaded_layers(parts.layers),
+        slot_bytes=slot_bytes,
     )
 
 

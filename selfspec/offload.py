@@ -87,8 +87,14 @@ def budget_device_map(sizes: dict[str, int], layer_names: list[str], *, budget: 
     if needed > budget:
         raise ValueError(f"a memory budget of {_size(budget)} is under the {_size(needed)} that must stay resident "
                          f"for the draft (the embeddings, LM head and norms)")
+    # Offloaded layers stream through two slots of one layer each (`streaming.py`): room kept for them.
+    slots = 0 if needed + sum(sizes[n] for n in layer_names) <= budget else 2 * max(sizes[n] for n in layer_names)
+    if needed + slots > budget:
+        raise ValueError(f"a memory budget of {_size(budget)} is under the {_size(needed + slots)} that must stay "
+                         f"resident for the draft (the embeddings, LM head and norms: {_size(needed)}) and the two "
+                         f"layer slots offloaded layers stream through")
     device_map = {name: fast for name in others}
-    used, offloaded = needed, []
+    used, offloaded = needed + slots, []
     for i, name in enumerate(layer_names):
         if not offloaded and used + sizes[name] <= budget:
             device_map[name] = fast

@@ -44,6 +44,7 @@ class ModelParts:
     logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
     attn_implementation: str = "sdpa"
     layer_call: Callable[..., torch.Tensor] = decoder_layer  # how one layer is called (`layer_call.py`)
+    stream: Any = None  # offloaded layers selfspec loads itself (`streaming.LayerStream`), set by the wrapper
 
     @property
     def num_layers(self) -> int:

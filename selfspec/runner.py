@@ -17,6 +17,8 @@ It does not know plans, acceptance or sampling.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .cache import SharedKVCache
@@ -137,14 +139,16 @@ class LayerRunner:
         those this thread chose (`cpu_kernels.cpu_kernels`), else transformers' own.
         """
         masks: dict[int | None, torch.Tensor | None] = {}
+        stream = self.parts.stream
         for i in layers:
             window = self.windows[i]
             if window not in masks:
                 masks[window] = mask_for(window)
             before = hidden
-            hidden = self.call(self.layers[i], hidden, mask=masks[window],
-                               position_embeddings=rotary.get(self.rotary_kinds[i]), position_ids=position_ids,
-                               cache=self.cache)
+            with stream.weights_of(i) if stream is not None and i in stream else contextlib.nullcontext():
+                hidden = self.call(self.layers[i], hidden, mask=masks[window],
+                                   position_embeddings=rotary.get(self.rotary_kinds[i]), position_ids=position_ids,
+                                   cache=self.cache)
             if probe is not None:
                 probe(i, before, hidden)
         return hidden

@@ -28,20 +28,23 @@ def offloaded(model, tmp_path: Path, first_offloaded: int):
     return offload_layers(model, first_offloaded, folder=tmp_path / "offload")
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "hooks"])
 @pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
-def test_an_offloaded_model_gives_the_targets_greedy_output(arch, tmp_path):
+def test_an_offloaded_model_gives_the_targets_greedy_output(arch, stream, tmp_path):
+    """Streamed by selfspec (`streaming.py`, the default) or loaded by accelerate's hooks at every call."""
     model = tiny_model(arch, torch.float64)
     prompt = random_prompt(10, seed=3)
     expected = model.generate(prompt, do_sample=False, max_new_tokens=24)
     n = adapter_for(model).bind(model).num_layers
     model = offloaded(model, tmp_path, n // 2)
-    spec = selfspec.wrap(model)
+    spec = selfspec.wrap(model, offload_stream=stream)
     assert spec.offloaded == tuple(range(n // 2, n))
+    assert (spec.parts.stream.order if stream else spec.parts.stream) == (list(spec.offloaded) if stream else None)
     assert spec.plan.layers is None and not spec.plan.auto and spec.plan.ngram and spec.plan.recycle  # resident drafts
     assert torch.equal(spec.generate(prompt, max_new_tokens=24), expected)
     with pytest.warns(UserWarning, match=rf"draft runs offloaded layers \({describe_layers(spec.offloaded)}\)"):
         layered = selfspec.wrap(model, plan=selfspec.DraftPlan(layers=list(range(n)), draft_length=3,
-                                                               policy="fixed"))
+                                                               policy="fixed"), offload_stream=stream)
     assert torch.equal(layered.generate(prompt, max_new_tokens=24), expected)
 
 
@@ -74,15 +77,20 @@ def test_offloaded_layers_are_reported_and_static_steps_refused(tmp_path):
 
 
 def test_a_budget_places_embeddings_and_head_first_then_layers_in_order():
-    sizes = {"embed": 100, "lm_head": 100, "norm": 4, "l.0": 50, "l.1": 50, "l.2": 50}
-    layers = ["l.0", "l.1", "l.2"]
-    placed = budget_device_map(sizes, layers, budget=320, fast="cpu", slow="disk")
-    assert placed.device_map == {"embed": "cpu", "lm_head": "cpu", "norm": "cpu", "l.0": "cpu", "l.1": "cpu",
-                                 "l.2": "disk"}
-    assert placed.offloaded_layers == (2,) and placed.resident_bytes == 304 and placed.offloaded_bytes == 50
+    sizes = {"embed": 100, "lm_head": 100, "norm": 4, "l.0": 50, "l.1": 50, "l.2": 50, "l.3": 50}
+    layers = ["l.0", "l.1", "l.2", "l.3"]
+    # Room for two layer slots (the stream's, `streaming.py`) is kept once any layer is offloaded.
+    placed = budget_device_map(sizes, layers, budget=360, fast="cpu", slow="disk")
+    assert placed.device_map == {"embed": "cpu", "lm_head": "cpu", "norm": "cpu", "l.0": "cpu", "l.1": "disk",
+                                 "l.2": "disk", "l.3": "disk"}
+    assert placed.offloaded_layers == (1, 2, 3) and placed.resident_bytes == 354 and placed.offloaded_bytes == 150
+    # Every layer fits: no slots.
+    assert budget_device_map(sizes, layers, budget=404, fast="cpu", slow="disk").offloaded_layers == ()
     assert budget_device_map(sizes, layers, budget=10**6, fast="cuda:0", slow="cpu").offloaded_layers == ()
     with pytest.raises(ValueError, match=r"budget of 203 bytes .* under the 204 bytes .* must stay resident"):
         budget_device_map(sizes, layers, budget=203, fast="cpu", slow="disk")
+    with pytest.raises(ValueError, match=r"budget of 303 bytes .* under the 304 bytes .* two layer slots"):
+        budget_device_map(sizes, layers, budget=303, fast="cpu", slow="disk")
 
 
 def test_sizes_parse_and_bad_ones_are_refused():
@@ -107,11 +115,11 @@ def test_load_with_a_budget_offloads_the_last_layers_and_keeps_the_output(folder
     reference, _ = selfspec.load(str(folder))
     layer = sum(p.numel() * p.element_size() for p in reference.model.layers[0].parameters())
     whole = sum(p.numel() * p.element_size() for p in reference.parameters())
-    budget = whole - 4 * layer + 2 * layer + 1024  # everything but the layers, two layers, and the buffers
+    budget = whole - 1  # not everything fits: one layer stays beside the two slots offloaded layers stream through
     model, _ = selfspec.load(str(folder), max_memory=budget, offload_folder=tmp_path / "off")
-    assert model.hf_device_map["model.layers.1"] == "cpu" and model.hf_device_map["model.layers.3"] == "disk"
+    assert model.hf_device_map["model.layers.0"] == "cpu" and model.hf_device_map["model.layers.1"] == "disk"
     spec = selfspec.wrap(model)
-    assert spec.offloaded and spec.offloaded[-1] == 3
+    assert spec.offloaded == (1, 2, 3) and spec.parts.stream.order == [1, 2, 3]  # selfspec streams them
     prompt = torch.tensor([[2, 3, 4, 5, 6, 7, 2, 3]])
     assert torch.equal(spec.generate(prompt, max_new_tokens=16),
                        reference.generate(prompt, do_sample=False, max_new_tokens=16))
@@ -124,7 +132,7 @@ def test_load_with_a_budget_offloads_the_last_layers_and_keeps_the_output(folder
 
 
 def test_generate_cli_takes_a_memory_budget(folder, tmp_path, capsys):
-    assert main(["generate", "--model", str(folder), "--max-memory", "20KiB", "--offload-folder",
+    assert main(["generate", "--model", str(folder), "--max-memory", "100KiB", "--offload-folder",
                  str(tmp_path / "off"), "--max-new-tokens", "6", "w1 w2 w3"]) == 0
     out = capsys.readouterr().out
     assert "offloaded: layers" in out, out
@@ -166,5 +174,88 @@ def test_a_tied_lm_head_counts_once_in_a_budget(tmp_path):
     model, _ = selfspec.load(str(tmp_path))
     layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
     embedding = model.model.embed_tokens.weight.numel() * 4
-    placed = place_for_budget(tmp_path, torch.float32, embedding + 2 * layer + 4096, fast="cpu", slow="disk")
-    assert placed.offloaded_layers == (2, 3), placed.device_map
+    placed = place_for_budget(tmp_path, torch.float32, embedding + 4 * layer - 1, fast="cpu", slow="disk")
+    assert placed.offloaded_layers == (1, 2, 3), placed.device_map  # one layer beside the two slots
+
+
+def count_hook_loads(monkeypatch) -> list[int]:
+    """A counter of accelerate's weight loads (`AlignDevicesHook.pre_forward` calls)."""
+    from accelerate.hooks import AlignDevicesHook
+
+    calls = [0]
+    original = AlignDevicesHook.pre_forward
+
+    def counted(self, *args, **kwargs):
+        calls[0] += bool(self.offload)  # a hook that loads weights (others move inputs between devices)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(AlignDevicesHook, "pre_forward", counted)
+    return calls
+
+
+def test_selfspec_streams_offloaded_layers_and_leaves_the_model_as_accelerate_made_it(tmp_path, monkeypatch):
+    """No hook loads a weight in selfspec's passes; each verify pass reads each offloaded layer once (the next
+    pass's first one is read ahead); afterwards the layers are offloaded again and `model.generate` is unchanged."""
+    model = tiny_model("llama", torch.float64)
+    prompt = random_prompt(10, seed=4)
+    expected = model.generate(prompt, do_sample=False, max_new_tokens=20)
+    model = offloaded(model, tmp_path, 2)
+    spec = selfspec.wrap(model, costs="flat")
+    stream = spec.parts.stream
+    hooked = {name: m.__dict__["_hf_hook"] for name, m in model.named_modules() if "_hf_hook" in m.__dict__}
+    loads = count_hook_loads(monkeypatch)
+    assert torch.equal(spec.generate(prompt, max_new_tokens=20), expected)
+    assert loads[0] == 0
+    per_pass = sum(p.numel() * p.element_size() for i in (2, 3, 4, 5) for p in model.model.layers[i].parameters())
+    passes = spec.last_stats.verify_passes
+    assert passes * per_pass <= stream.bytes_read <= passes * per_pass + stream.slot_bytes()
+    assert stream.holding[0] is not None and set(stream.holding) <= {2, 3, 4, 5}
+    assert all(p.device.type == "meta" for i in (2, 3, 4, 5) for p in model.model.layers[i].parameters())
+    assert hooked == {name: m.__dict__["_hf_hook"] for name, m in model.named_modules() if "_hf_hook" in m.__dict__}
+    assert any(name.startswith("model.layers.3.") for name in hooked)
+    assert torch.equal(model.generate(prompt, do_sample=False, max_new_tokens=20), expected)
+    assert loads[0] > 0  # model.generate still loads through accelerate's hooks
+    line = spec.memory(context=64).summary()
+    assert "streamed through two slots of" in line and "resident" in line, line
+
+
+def test_weights_accelerate_holds_in_cpu_memory_stream_too(tmp_path, monkeypatch):
+    """`accelerate.cpu_offload` keeps a state dict in CPU memory (a GPU's "cpu" tier): selfspec copies from it."""
+    from accelerate import cpu_offload
+
+    model = tiny_model("qwen2", torch.float64)
+    prompt = random_prompt(9, seed=5)
+    expected = model.generate(prompt, do_sample=False, max_new_tokens=20)
+    model = copy.deepcopy(model)
+    for layer in model.model.layers[1:]:
+        cpu_offload(layer, execution_device=torch.device("cpu"))
+    spec = selfspec.wrap(model)
+    assert spec.parts.stream.order == list(range(1, len(model.model.layers)))
+    loads = count_hook_loads(monkeypatch)
+    assert torch.equal(spec.generate(prompt, max_new_tokens=20), expected) and loads[0] == 0
+
+
+def test_a_layer_selfspec_cannot_read_stays_with_accelerates_hooks(tmp_path, monkeypatch):
+    from selfspec import streaming
+
+    model = tiny_model("llama", torch.float64)
+    prompt = random_prompt(10, seed=6)
+    expected = model.generate(prompt, do_sample=False, max_new_tokens=16)
+    model = offloaded(model, tmp_path, 3)
+    unreadable = model.model.layers[4].mlp.up_proj
+    original = streaming.offloaded_weights
+    monkeypatch.setattr(streaming, "offloaded_weights",
+                        lambda layer: None if unreadable in layer.modules() else original(layer))
+    spec = selfspec.wrap(model)
+    assert spec.parts.stream.order == [3, 5]
+    assert torch.equal(spec.generate(prompt, max_new_tokens=16), expected)
+
+
+def test_a_failed_read_is_raised_in_the_pass(tmp_path):
+    model = offloaded(tiny_model("llama", torch.float32), tmp_path, 4)
+    spec = selfspec.wrap(model, costs="flat")
+    weight = spec.parts.stream.weights[5][0].source
+    with open(weight.path, "r+b") as f:
+        f.truncate(weight.size // 2)
+    with pytest.raises(OSError, match="bytes missing"):
+        spec.generate(random_prompt(6, seed=1), max_new_tokens=8)
