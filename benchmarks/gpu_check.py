@@ -224,14 +224,15 @@ def check_offload() -> bool | None:
         with torch.no_grad():
             ref = model.generate(prompt, do_sample=False, max_new_tokens=30)
         plan = selfspec.DraftPlan(exit_layer=layers // 2, draft_length=4, policy="fixed")
-        out = selfspec.wrap(model, plan=plan, step="eager").generate(prompt, max_new_tokens=30)
+        outs = {stream: selfspec.wrap(model, plan=plan, step="eager", offload_stream=stream).generate(
+            prompt, max_new_tokens=30) for stream in (True, False)}  # selfspec's stream, accelerate's hooks
     except Exception as error:
         print(f"offload: raised {type(error).__name__}: {error}")
         return False
-    same = torch.equal(out, ref)
+    same = {stream: torch.equal(out, ref) for stream, out in outs.items()}
     print(f"offload: layers {layers // 2}..{layers - 1} in CPU memory, draft = the resident layers: "
-          f"identical to generate: {same}", flush=True)
-    return same
+          f"identical to generate: streamed {same[True]}, through accelerate's hooks {same[False]}", flush=True)
+    return all(same.values())
 
 
 def offload_timing(name: str = "SmolLM2-135M", new: int = 48) -> None:
@@ -248,10 +249,13 @@ def offload_timing(name: str = "SmolLM2-135M", new: int = 48) -> None:
     prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT), device=DEVICE)
     speeds = {}
     plain = selfspec.wrap(model, plan=selfspec.DraftPlan(draft_length=0))
+    hooks = selfspec.wrap(model, plan=selfspec.DraftPlan(draft_length=0), offload_stream=False)
     default = selfspec.wrap(model)
     runs = {"model.generate": lambda: model.generate(prompt, do_sample=False, max_new_tokens=new, min_new_tokens=new),
-            "selfspec plain": lambda: plain.generate(prompt, max_new_tokens=new, min_new_tokens=new),
-            "selfspec default": lambda: default.generate(prompt, max_new_tokens=new, min_new_tokens=new)}
+            "selfspec plain, accelerate's hooks": lambda: hooks.generate(prompt, max_new_tokens=new,
+                                                                          min_new_tokens=new),
+            "selfspec plain, streamed": lambda: plain.generate(prompt, max_new_tokens=new, min_new_tokens=new),
+            "selfspec default, streamed": lambda: default.generate(prompt, max_new_tokens=new, min_new_tokens=new)}
     with torch.no_grad():
         for label, run in runs.items():  # sync_time warms up (the default's cost table is measured then)
             speeds[label] = new / sync_time(run, repeats=2)

@@ -2,15 +2,17 @@
 
 A model dispatched by accelerate (a `device_map` with "cpu" or "disk"
 entries) keeps an offloaded module's weights on the meta device between
-calls; the module's hook loads them for each call. The engine calls such a
-layer through its module (`layer_call.py` checks for the hook), so the hook
-runs; this module says which layers those are, so that the default plan
-drafts only from resident weights and a plan that drafts through offloaded
-layers is warned about.
+calls; the module's hook loads them for each call. selfspec streams such
+layers itself (`streaming.py`), or, where it cannot read a layer's weights,
+calls it through its module so the hook runs (`layer_call.py` checks for
+hooks). This module says which layers are offloaded, so that the default
+plan drafts only from resident weights and a plan that drafts through
+offloaded layers is warned about.
 
 `budget_device_map` places a model for a byte budget: embeddings, LM head
-and final norm first, then as many layers as fit, in order; the rest go to
-the offload tier ("cpu" behind a GPU, "disk" behind the CPU).
+and final norm first, then room for the two slots offloaded layers stream
+through, then as many layers as fit, in order; the rest go to the offload
+tier ("cpu" behind a GPU, "disk" behind the CPU).
 
 This module reads module placement; it does not load weights or decide drafts.
 """

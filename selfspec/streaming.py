@@ -196,7 +196,11 @@ class LayerStream:
         future = self.loading[slot]
         if future is not None:
             self.loading[slot] = None
-            event = future.result()  # a worker's failure is raised here
+            try:
+                event = future.result()  # a worker's failure is raised here
+            except BaseException:
+                self.holding[slot] = None  # the slot holds no layer whole
+                raise
             if event is not None:
                 torch.cuda.current_stream(self.device).wait_event(event)
         return slot
@@ -204,6 +208,7 @@ class LayerStream:
     def _load(self, layer: int, slot: int) -> None:
         """Start loading `layer` into `slot` (once whatever was loading there is done)."""
         pending, self.loading[slot] = self.loading[slot], None
+        self.holding[slot] = None
         if pending is not None:
             pending.result()
         weights = self.weights[layer]

@@ -1,0 +1,99 @@
+"""Peak resident memory of a model loaded with a budget: does what stays resident fit it?
+
+    python -m benchmarks.offload_memory --budget 150MiB            # SmolLM2, bf16: 18 of 30 layers offloaded
+    python -m benchmarks.offload_memory --budget 150MiB --dtype float32 --new-tokens 64
+
+Loads the model with `selfspec.load(..., max_memory=BUDGET)`, wraps it with the
+default plan and generates from a chat prompt. It reports the process's resident
+set (RSS, from /proc/self/status) at four points: after importing torch and
+transformers (the baseline, not the model's), its peak while loading, at rest after
+loading, and its peak while generating. The kernel's peak counter is reset
+between phases. The model's share of a phase is its peak minus the baseline;
+the budget covers the weights, not the KV cache or the activations, which
+`spec.memory()` counts apart. The offload folder's files sit in the OS page
+cache, which is not the process's memory: selfspec reads them with `preadv`
+into its two slots and does not map them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import selfspec
+from selfspec.costs import cpu_capability, cpu_model
+from selfspec.offload import parse_bytes
+
+MIB = 2**20
+
+
+def status_bytes(field: str) -> int:
+    """A /proc/self/status field in bytes (VmRSS: now; VmHWM: the peak since the last reset)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak() -> bool:
+    """Reset the kernel's peak RSS counter to the current RSS (Linux: "5" to clear_refs); False where refused."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--budget", default="150MiB", help="max_memory for selfspec.load (a size)")
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import transformers  # noqa: F401  (part of the baseline)
+
+    budget = parse_bytes(args.budget)
+    baseline = status_bytes("VmRSS")
+    resettable = reset_peak()
+    with tempfile.TemporaryDirectory(prefix="selfspec-offload-") as folder:
+        model, tokenizer = selfspec.load(args.model, dtype=args.dtype, max_memory=budget, offload_folder=folder)
+        load_peak = status_bytes("VmHWM")
+        spec = selfspec.wrap(model)
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Explain how a heat pump works."}],
+                                               add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        ids = prompt["input_ids"]
+        spec.generate(ids, max_new_tokens=4)  # cost tables measured (or loaded) and slots filled, before the count
+        at_rest = status_bytes("VmRSS")
+        reset_peak()
+        start = time.perf_counter()
+        spec.generate(ids, max_new_tokens=args.new_tokens)
+        seconds = time.perf_counter() - start
+        generate_peak = status_bytes("VmHWM")
+        report = spec.memory(context=ids.shape[1] + args.new_tokens)
+    print(f"command: python -m benchmarks.offload_memory {shlex.join(sys.argv[1:] if argv is None else argv)}")
+    print(f"machine: {cpu_model()}, {cpu_capability()}, {args.threads} threads; {args.model} {args.dtype}")
+    print(report.summary())
+    print(f"budget {budget / MIB:.1f} MiB; resident by spec.memory(): weights and slots "
+          f"{(report.resident_bytes - report.kv_cache_bytes) / MIB:.1f} MiB, KV cache {report.kv_cache_bytes / MIB:.1f}"
+          f" MiB")
+    print(f"RSS baseline (torch, transformers) {baseline / MIB:.1f} MiB" + ("" if resettable else
+          " (peak counter not resettable here: peaks include everything before)"))
+    for label, value in (("peak while loading", load_peak), ("at rest after loading", at_rest),
+                         ("peak while generating", generate_peak)):
+        print(f"  {label}: {value / MIB:.1f} MiB, model's share {(value - baseline) / MIB:.1f} MiB "
+              f"({(value - baseline) / budget:.2f}x the budget)")
+    print(f"{args.new_tokens} new tokens in {seconds:.1f} s ({args.new_tokens / seconds:.1f} tok/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
