@@ -42,11 +42,13 @@ _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torc
 
 @dataclass(frozen=True)
 class FileBytes:
-    """A tensor's bytes in a file: `size` bytes at `offset` (accelerate's `.dat` files, or a safetensors file)."""
+    """A tensor's bytes in a file: `size` bytes at `offset` (accelerate's `.dat` files, or a safetensors file),
+    stored as `dtype` (a checkpoint's may differ from the model's: converted after reading)."""
 
     path: str
     offset: int
     size: int
+    dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,11 @@ class Weight:
 
     @property
     def nbytes(self) -> int:
-        return int(torch.Size(self.shape).numel()) * torch.empty((), dtype=self.dtype).element_size()
+        return _nbytes(self.shape, self.dtype)
+
+
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
 
 
 def _hooks(module: nn.Module) -> list:
@@ -82,12 +88,19 @@ def offloaded_weights(layer: nn.Module) -> list[Weight] | None:
             if parameter.device.type != "meta":
                 continue
             source = next((s for s in (_source(m, name) for m in maps) if s is not None), None)
-            if source is None:
+            if source is None or not _fits(source, parameter):
                 return None
             weights.append(Weight(module, name, tuple(parameter.shape), parameter.dtype, source))
         if any(b.device.type == "meta" for b in module.buffers(recurse=False)):
             return None
     return weights
+
+
+def _fits(source: FileBytes | torch.Tensor, parameter: torch.Tensor) -> bool:
+    """Whether `source` holds as many values as `parameter` (a tensor: its shape; a file: its bytes)."""
+    if isinstance(source, torch.Tensor):
+        return tuple(source.shape) == tuple(parameter.shape)
+    return source.size == _nbytes(parameter.shape, source.dtype)
 
 
 def _source(weights_map, name: str) -> FileBytes | torch.Tensor | None:
@@ -111,8 +124,8 @@ def _source(weights_map, name: str) -> FileBytes | torch.Tensor | None:
     dtype = _DTYPES.get(info.get("dtype"))
     if dtype is None or not os.path.exists(path):
         return None
-    size = int(torch.Size(info["shape"]).numel()) * torch.empty((), dtype=dtype).element_size()
-    return FileBytes(path, 0, size) if os.path.getsize(path) == size else None
+    size = _nbytes(info["shape"], dtype)
+    return FileBytes(path, 0, size, dtype) if os.path.getsize(path) == size else None
 
 
 def _safetensors_bytes(path: str, name: str) -> FileBytes | None:
@@ -124,7 +137,7 @@ def _safetensors_bytes(path: str, name: str) -> FileBytes | None:
     if entry is None or entry.get("dtype") not in _SAFETENSORS_DTYPES:
         return None
     begin, end = entry["data_offsets"]
-    return FileBytes(path, 8 + length + begin, end - begin)
+    return FileBytes(path, 8 + length + begin, end - begin, _SAFETENSORS_DTYPES[entry["dtype"]])
 
 
 class LayerStream:
@@ -229,10 +242,7 @@ class LayerStream:
         with torch.no_grad():
             if not self.cuda:
                 for w, p in zip(weights, params):
-                    if isinstance(w.source, torch.Tensor):
-                        p.copy_(w.source)
-                    else:
-                        _read_into(w.source, p)
+                    _read(w.source, p)
                 return None
             if self._staging[slot] is None:
                 self._staging[slot] = [torch.empty(w.shape, dtype=w.dtype, pin_memory=True) for w in weights]
@@ -243,10 +253,7 @@ class LayerStream:
                     if isinstance(w.source, torch.Tensor) and w.source.is_pinned():
                         p.copy_(w.source, non_blocking=True)
                         continue
-                    if isinstance(w.source, torch.Tensor):
-                        host.copy_(w.source)
-                    else:
-                        _read_into(w.source, host)
+                    _read(w.source, host)
                     p.copy_(host, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self._copy_stream)
@@ -262,6 +269,19 @@ class LayerStream:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+
+
+def _read(source: FileBytes | torch.Tensor, tensor: torch.Tensor) -> None:
+    """`source`'s values into the CPU tensor `tensor`: copied from memory, or read from a file (through a buffer
+    of the file's dtype where it stores another)."""
+    if isinstance(source, torch.Tensor):
+        tensor.copy_(source)
+    elif source.dtype == tensor.dtype:
+        _read_into(source, tensor)
+    else:
+        stored = torch.empty(tensor.shape, dtype=source.dtype)
+        _read_into(source, stored)
+        tensor.copy_(stored)
 
 
 def _read_into(source: FileBytes, tensor: torch.Tensor) -> None:

@@ -131,6 +131,26 @@ def test_load_with_a_budget_offloads_the_last_layers_and_keeps_the_output(folder
         selfspec.load(str(folder), max_memory="1GiB", quantize="int8")
 
 
+def test_a_checkpoint_stored_in_another_dtype_streams_converted(folder, tmp_path, monkeypatch):
+    """Loaded in bfloat16 from a float32 checkpoint, offloaded layers are read from its file and converted."""
+    reference, _ = selfspec.load(str(folder), dtype="bfloat16")
+    layer = sum(p.numel() * p.element_size() for p in reference.model.layers[0].parameters())
+    whole = sum(p.numel() * p.element_size() for p in reference.parameters())
+    budget = whole - 2 * layer + 1024  # the rest and the two slots: no layer stays
+    model, _ = selfspec.load(str(folder), dtype="bfloat16", max_memory=budget, offload_folder=tmp_path / "off")
+    spec = selfspec.wrap(model, costs="flat")
+    assert spec.parts.stream.order == [0, 1, 2, 3]
+    assert {w.source.dtype for ws in spec.parts.stream.weights.values() for w in ws
+            if not isinstance(w.source, torch.Tensor)} == {torch.float32}  # the checkpoint's own file
+    loads = count_hook_loads(monkeypatch)
+    prompt = torch.tensor([[2, 3, 4, 5, 6, 7, 2, 3]])
+    plain = selfspec.wrap(reference, plan=selfspec.DraftPlan.plain(), kernels="transformers")
+    expected = plain.generate(prompt, max_new_tokens=12)
+    assert torch.equal(selfspec.wrap(model, plan=selfspec.DraftPlan.plain(), kernels="transformers",
+                                     costs="flat").generate(prompt, max_new_tokens=12), expected)
+    assert loads[0] == 0
+
+
 def test_generate_cli_takes_a_memory_budget(folder, tmp_path, capsys):
     assert main(["generate", "--model", str(folder), "--max-memory", "100KiB", "--offload-folder",
                  str(tmp_path / "off"), "--max-new-tokens", "6", "w1 w2 w3"]) == 0
