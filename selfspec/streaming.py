@@ -158,7 +158,9 @@ class LayerStream:
             if found:
                 self.weights[i] = found
                 self.hooked[i] = [m for m in layer.modules() if "_hf_hook" in m.__dict__]
-        self.order = sorted(self.weights)  # the order a full pass runs them: each prefetches the next
+        self.order = sorted(self.weights)  # the order a full pass runs them
+        # Each layer's call starts loading the next in that order (the last, the first: the next pass's).
+        self.following = {i: self.order[(k + 1) % len(self.order)] for k, i in enumerate(self.order)}
         self.slots: list[list[nn.Parameter] | None] = [None] * self.SLOTS  # per slot, one parameter per weight
         self.holding: list[int | None] = [None] * self.SLOTS  # the layer each slot holds (or is loading)
         self.loading: list[Future | None] = [None] * self.SLOTS
@@ -185,7 +187,7 @@ class LayerStream:
         """Layer `layer`'s weights in place for one call (its hooks set aside); the next streamed layer loads
         into the other slot meanwhile."""
         slot = self._ready(layer)
-        following = self.order[(self.order.index(layer) + 1) % len(self.order)]
+        following = self.following[layer]
         if following not in self.holding:
             self._load(following, 1 - slot)
         saved = _swap_in(self.weights[layer], self.slots[slot], self.hooked[layer])
