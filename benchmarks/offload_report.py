@@ -22,6 +22,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from .report import NO_MATPLOTLIB, pyplot, save_figure
 from .variants import parse_variants, split_method_name
 
 MIB = 2**20
@@ -83,13 +84,9 @@ def markdown(entries: list[dict], command: str) -> str:
 
 def plot(entries: list[dict], path: Path) -> str | None:
     """The paired median speedup against the fraction offloaded; None when drawn, else why not."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install matplotlib)"
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     lines: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
     for e in entries:
         if e["median_paired_speedup"] is not None:
@@ -102,9 +99,7 @@ def plot(entries: list[dict], path: Path) -> str | None:
     ax.set_xlabel("decoder layers offloaded to disk (%)")
     ax.set_ylabel("speed / model.generate on the same placement\n(median over prompts, paired)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path)
     return None
 
 

@@ -433,15 +433,32 @@ def write_json(path: Path, header: dict, summary: dict, rows: list[Row], extra: 
     path.write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
 
 
-def write_chart(path: Path, summary: dict, baseline: str, title: str) -> str | None:
-    """A grouped bar chart of speedup per category per method; returns why not, if not written."""
+NO_MATPLOTLIB = "matplotlib is not installed (pip install matplotlib)"
+
+
+def pyplot():
+    """matplotlib's pyplot on its file-only backend, or None where matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed (pip install matplotlib)"
+        return None
+    return plt
+
+
+def save_figure(plt, fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_chart(path: Path, summary: dict, baseline: str, title: str) -> str | None:
+    """A grouped bar chart of speedup per category per method; returns why not, if not written."""
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     methods = [m for m in summary["overall"] if m != baseline]
     groups = {**summary["by_category"], "all": summary["overall"]}
     width = 0.8 / max(1, len(methods))
@@ -455,9 +472,7 @@ def write_chart(path: Path, summary: dict, baseline: str, title: str) -> str | N
     ax.set_ylabel(f"speedup over {baseline}")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path)
     return None
 
 
