@@ -42,6 +42,7 @@ def decode_sequence(spec, prompt: list[int], settings: GenerationSettings, strea
     policy = spec.policy_for(settings)  # first: measuring the costs (once) uses a runner of its own
     runner = spec.runner_for(len(prompt) + settings.max_new_tokens + spec.max_width)  # the widest verify fits
     runner.weights_read = 0  # a kept (graphed) runner counted the generations before
+    streamed = parts.stream.bytes_read if parts.stream else 0  # offloaded bytes read before this generation
     auto = None
     if plan.auto and isinstance(policy, LayerChoosingPolicy):  # the prefill reports every layer's change to it
         weights, head = spec.layer_weights
@@ -89,6 +90,7 @@ def decode_sequence(spec, prompt: list[int], settings: GenerationSettings, strea
     stats.total_seconds = clock.total()
     plain_step = sum(runner.layer_bytes[: parts.num_layers]) + runner.head_bytes  # every layer, and the head
     stats.steps_read = runner.weights_read / plain_step
+    stats.streamed_bytes = parts.stream.bytes_read - streamed if parts.stream else 0
     if policy.costs is not None and policy.costs.learn:  # the next process starts from what was learned
         spec.cost_tables.save_refined(policy.costs)
     stats.policy = policy.describe()

@@ -55,6 +55,7 @@ class GenerationStats:
     capture_seconds: float = 0.0  # CUDA graph capture in this call (0 once the graphs exist)
     layer_sets: str = ""  # an auto plan: the layer sets it drafted with, and the round each began at
     steps_read: float = 0.0  # the weights every pass read, in plain steps (one reads each layer and the LM head)
+    streamed_bytes: int = 0  # offloaded layers' bytes selfspec read into its slots (`streaming.py`)
 
     @property
     def acceptance_rate(self) -> float:
@@ -146,6 +147,11 @@ class GenerationStats:
                 [f"weights read: {self.steps_read:.1f} plain steps, {self.tokens_per_step_read:.2f} tokens per step "
                  f"read (the speed over plain where a pass costs what it reads: a projection)"]
                 if self.steps_read else []
+            ),
+            *(
+                [f"offloaded layers streamed: {self.streamed_bytes / 2**20:.1f} MiB, "
+                 f"{self.streamed_bytes / 2**20 / max(1, self.new_tokens):.1f} MiB per new token"]
+                if self.streamed_bytes else []
             ),
             f"drafted {self.drafted}, accepted {self.accepted}, acceptance rate {self.acceptance_rate:.1%}",
             f"drafted length histogram: {self.drafted_lengths}; accepted length histogram: {self.accepted_lengths}",

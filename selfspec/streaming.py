@@ -1,20 +1,18 @@
 """Offloaded layers streamed by selfspec: two slots on the execution device, the next layer loading while one computes.
 
 accelerate loads an offloaded module's weights in a hook at every call, one
-tensor at a time, and releases them after. A `LayerStream` takes over those
-loads for selfspec's own passes. It reads each offloaded tensor from where
-accelerate keeps it: the offload folder's files, read straight into place, or
-CPU tensors behind a GPU, copied asynchronously. Two slots, each sized for
-one layer, live on the execution device. While layer i computes from one
-slot, the next offloaded layer loads into the other: in a worker thread on
-the CPU, on a side CUDA stream on a GPU.
+tensor at a time. A `LayerStream` does those loads for selfspec's own passes,
+from where accelerate keeps the weights: the offload folder's or checkpoint's
+files (read straight into place), or CPU tensors. It loads them into two
+slots of one layer each. While layer i computes from one slot, the next
+offloaded layer loads into the other: in a worker thread on the CPU, through
+pinned buffers on a side CUDA stream on a GPU.
 
-`LayerStream.weights(i)` is a context for one call of layer i. In the calling
-thread, for that call only, the layer's parameters point at its slot and
-accelerate's hooks on its modules are set aside, so the engine's direct layer
-call runs. Outside selfspec's passes the model is accelerate's as before, so
-`model.generate` on the same model runs as it did. Like accelerate's own hooks,
-this is not safe for another thread calling the same model during a pass.
+`LayerStream.weights_of(i)` is a context for one call of layer i. In the
+calling thread, for that call only, the layer's parameters point at its slot
+and its hooks stand aside, so the engine's direct layer call runs. Outside
+selfspec's passes the model is accelerate's as before. As with accelerate's
+hooks, another thread must not call the same model during a pass.
 
 This module does not place layers (`offload.py`) or choose which layers a
 pass runs (`runner.py`).

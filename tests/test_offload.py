@@ -229,6 +229,8 @@ def test_selfspec_streams_offloaded_layers_and_leaves_the_model_as_accelerate_ma
     per_pass = sum(p.numel() * p.element_size() for i in (2, 3, 4, 5) for p in model.model.layers[i].parameters())
     passes = spec.last_stats.verify_passes
     assert passes * per_pass <= stream.bytes_read <= passes * per_pass + stream.slot_bytes()
+    assert spec.last_stats.streamed_bytes == stream.bytes_read  # the stats report what was streamed
+    assert "offloaded layers streamed:" in str(spec.last_stats)
     assert stream.holding[0] is not None and set(stream.holding) <= {2, 3, 4, 5}
     assert all(p.device.type == "meta" for i in (2, 3, 4, 5) for p in model.model.layers[i].parameters())
     assert hooked == {name: m.__dict__["_hf_hook"] for name, m in model.named_modules() if "_hf_hook" in m.__dict__}
@@ -280,3 +282,20 @@ def test_a_failed_read_is_raised_in_the_pass(tmp_path):
     with pytest.raises(OSError, match="bytes missing"):
         spec.generate(random_prompt(6, seed=1), max_new_tokens=8)
     assert 5 not in spec.parts.stream.holding  # a slot half read holds no layer: a later pass reads it again
+
+
+def test_a_batch_of_rows_streams_the_offloaded_layers(tmp_path, monkeypatch):
+    """`batch_session` (what `selfspec serve` runs) passes through the same layer loop: rows of an offloaded
+    model equal `model.generate` alone, and no hook loads a weight."""
+    model = tiny_model("gemma3_text", torch.float64)
+    prompts = [random_prompt(9, seed=s)[0].tolist() for s in (1, 2, 3)]
+    expected = [model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=18)[0, len(p):].tolist()
+                for p in prompts]
+    spec = selfspec.wrap(offloaded(model, tmp_path, 2), costs="flat")
+    loads = count_hook_loads(monkeypatch)
+    session = spec.batch_session()
+    rows = [session.add(p, max_new_tokens=18) for p in prompts]
+    while len(session):
+        session.step()
+    assert [row.new_tokens for row in rows] == expected
+    assert loads[0] == 0 and spec.parts.stream.bytes_read > 0
