@@ -76,12 +76,16 @@ def _hooks(module: nn.Module) -> list:
     return list(getattr(hook, "hooks", None) or [hook])
 
 
-def offloaded_weights(layer: nn.Module) -> list[Weight] | None:
+def offloaded_weights(layer: nn.Module, device: torch.device) -> list[Weight] | None:
     """Where accelerate keeps each of `layer`'s offloaded parameters; None when some cannot be read here (a
-    buffer left on the meta device, a source of another kind): such a layer keeps accelerate's own loads."""
+    buffer left on the meta device, a source of another kind, a hook that computes on another device than
+    `device`): such a layer keeps accelerate's own loads."""
     weights = []
     for module in layer.modules():
-        maps = [h.weights_map for h in _hooks(module) if getattr(h, "offload", False) and h.weights_map is not None]
+        loading = [h for h in _hooks(module) if getattr(h, "offload", False)]
+        if any(_device(h.execution_device) != device for h in loading):
+            return None
+        maps = [h.weights_map for h in loading if h.weights_map is not None]
         for name, parameter in module.named_parameters(recurse=False):
             if parameter.device.type != "meta":
                 continue
@@ -92,6 +96,11 @@ def offloaded_weights(layer: nn.Module) -> list[Weight] | None:
         if any(b.device.type == "meta" for b in module.buffers(recurse=False)):
             return None
     return weights
+
+
+def _device(where) -> torch.device:
+    """accelerate's execution device (an int is a CUDA index) as a `torch.device`."""
+    return torch.device("cuda", where) if isinstance(where, int) else torch.device(where)
 
 
 def _fits(source: FileBytes | torch.Tensor, parameter: torch.Tensor) -> bool:
@@ -152,7 +161,7 @@ class LayerStream:
         self.weights: dict[int, list[Weight]] = {}
         self.hooked: dict[int, list[nn.Module]] = {}  # per streamed layer, its modules that carry a hook
         for i, layer in enumerate(layers):
-            found = offloaded_weights(layer)
+            found = offloaded_weights(layer, self.device)
             if found:
                 self.weights[i] = found
                 self.hooked[i] = [m for m in layer.modules() if "_hf_hook" in m.__dict__]
@@ -196,7 +205,7 @@ class LayerStream:
             self.last = slot
             if self.cuda:
                 event = torch.cuda.Event()
-                event.record()
+                event.record(torch.cuda.current_stream(self.device))
                 self._released[slot] = event
 
     def _ready(self, layer: int) -> int:

@@ -267,10 +267,13 @@ def test_a_layer_selfspec_cannot_read_stays_with_accelerates_hooks(tmp_path, mon
     unreadable = model.model.layers[4].mlp.up_proj
     original = streaming.offloaded_weights
     monkeypatch.setattr(streaming, "offloaded_weights",
-                        lambda layer: None if unreadable in layer.modules() else original(layer))
+                        lambda layer, device: None if unreadable in layer.modules() else original(layer, device))
     spec = selfspec.wrap(model)
     assert spec.parts.stream.order == [3, 5]
     assert torch.equal(spec.generate(prompt, max_new_tokens=16), expected)
+    # A layer whose hooks compute on another device than the stream's is left to them too.
+    assert original(model.model.layers[3], torch.device("cpu"))
+    assert original(model.model.layers[3], torch.device("cuda", 0)) is None
 
 
 def test_a_failed_read_is_raised_in_the_pass(tmp_path):
