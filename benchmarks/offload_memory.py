@@ -59,7 +59,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", default="150MiB", help="max_memory for selfspec.load (a size)")
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--trim", action="store_true", help="return the allocator's free memory to the OS after loading")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     import transformers  # noqa: F401  (part of the baseline)
@@ -80,9 +79,6 @@ def main(argv: list[str] | None = None) -> int:
                                                 offload_folder=offload_folder)
         tokenizer = tokenizer or loaded_tokenizer
         load_peak = status_bytes("VmHWM")
-        if args.trim:
-            import ctypes
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
         spec = selfspec.wrap(model)
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Explain how a heat pump works."}],
                                                add_generation_prompt=True, return_tensors="pt", return_dict=True)

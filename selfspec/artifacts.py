@@ -158,13 +158,7 @@ def read_header(path: Path) -> TensorHeader:
         raise ValueError(f"tensor file not found: {path}")
     size = path.stat().st_size
     try:
-        with open(path, "rb") as f:
-            length = int.from_bytes(f.read(8), "little")
-            if size < 8 or length > size - 8:
-                raise ValueError("header longer than the file")
-            header = json.loads(f.read(length).decode("utf-8"))
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
+        length, header = header_layout(path)
         result: TensorHeader = {}
         end = 0
         for key, entry in header.items():
@@ -182,6 +176,20 @@ def read_header(path: Path) -> TensorHeader:
         raise ValueError(f"{path} is truncated or damaged: its header describes {8 + length + end} bytes, "
                          f"the file has {size}; make it again")
     return result
+
+
+def header_layout(path: Path) -> tuple[int, dict]:
+    """A .safetensors file's header as written: its length in bytes (the data starts at 8 + length) and its JSON
+    object (per tensor: dtype, shape, data_offsets). ValueError where it cannot be one."""
+    size = Path(path).stat().st_size
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        if size < 8 or length > size - 8:
+            raise ValueError("header longer than the file")
+        header = json.loads(f.read(length).decode("utf-8"))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    return length, header
 
 
 def _is_count(value: Any) -> bool:

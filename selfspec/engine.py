@@ -253,8 +253,7 @@ class SelfSpecModel:
                 raise ValueError("this model's config has no max_position_embeddings: pass context=N (positions)")
         vocab = () if self.vocab is None else (self.vocab.weight, self.vocab.bias, self.vocab.ids)
         return memory_report(self.model, self.parts, context=context, head=self.head, vocab_tensors=vocab,
-                             quantization=self.quantization,
-                             slot_bytes=self.parts.stream.slot_bytes() if self.parts.stream else 0)
+                             quantization=self.quantization)
 
     def linear_kernels(self) -> LinearKernels:
         """How the linear layers run their passes here (`kernel_choice.py`)."""

@@ -111,10 +111,10 @@ def kv_cache_bytes(parts: ModelParts, config, *, context: int, extra_layers: int
 
 
 def memory_report(model: nn.Module, parts: ModelParts, *, context: int, head: nn.Module | None = None,
-                  vocab_tensors: tuple[torch.Tensor | None, ...] = (), quantization: str | None = None,
-                  slot_bytes: int = 0) -> MemoryReport:
+                  vocab_tensors: tuple[torch.Tensor | None, ...] = (), quantization: str | None = None) -> MemoryReport:
     if context < 1:
         raise ValueError(f"context={context} out of range (valid: an integer >= 1)")
+    offloaded = offloaded_layers(parts.layers)
     return MemoryReport(
         weight_bytes=parameter_bytes([model]),
         embedding_bytes=parameter_bytes([parts.embed, parts.lm_head]),
@@ -123,9 +123,9 @@ def memory_report(model: nn.Module, parts: ModelParts, *, context: int, head: nn
         head_bytes=0 if head is None else parameter_bytes([head]),
         vocab_bytes=sum(tensor_bytes(t) for t in vocab_tensors if t is not None),
         quantization=quantization,
-        offloaded_bytes=parameter_bytes([parts.layers[i] for i in offloaded_layers(parts.layers)]),
-        offloaded_layers=offloaded_layers(parts.layers),
-        slot_bytes=slot_bytes,
+        offloaded_bytes=parameter_bytes([parts.layers[i] for i in offloaded]),
+        offloaded_layers=offloaded,
+        slot_bytes=parts.stream.slot_bytes() if parts.stream else 0,
     )
 
 

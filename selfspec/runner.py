@@ -139,13 +139,14 @@ class LayerRunner:
         those this thread chose (`cpu_kernels.cpu_kernels`), else transformers' own.
         """
         masks: dict[int | None, torch.Tensor | None] = {}
-        stream = self.parts.stream
+        stream = self.parts.stream  # offloaded layers selfspec loads (`streaming.py`), or None
+        resident = contextlib.nullcontext()
         for i in layers:
             window = self.windows[i]
             if window not in masks:
                 masks[window] = mask_for(window)
             before = hidden
-            with stream.weights_of(i) if stream is not None and i in stream else contextlib.nullcontext():
+            with stream.weights_of(i) if stream is not None and i in stream else resident:
                 hidden = self.call(self.layers[i], hidden, mask=masks[window],
                                    position_embeddings=rotary.get(self.rotary_kinds[i]), position_ids=position_ids,
                                    cache=self.cache)

@@ -21,18 +21,18 @@ pass runs (`runner.py`).
 from __future__ import annotations
 
 import contextlib
-import json
+import functools
 import os
-import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64,
-           "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32,
-           "int64": torch.int64, "bool": torch.bool}
+from .artifacts import header_layout
+
+# safetensors' dtype names (accelerate's `.dat` index names torch's own: "bfloat16", ...)
 _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
                        "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32,
                        "I64": torch.int64, "BOOL": torch.bool}
@@ -128,23 +128,32 @@ def _source(weights_map, name: str) -> FileBytes | torch.Tensor | None:
     if "safetensors_file" in info:
         return _safetensors_bytes(info["safetensors_file"], info.get("weight_name", key))
     path = os.path.join(loader.save_folder, f"{key}.dat")
-    dtype = _DTYPES.get(info.get("dtype"))
-    if dtype is None or not os.path.exists(path):
+    dtype = getattr(torch, str(info.get("dtype")), None)
+    if not isinstance(dtype, torch.dtype) or not os.path.exists(path):
         return None
     size = _nbytes(info["shape"], dtype)
     return FileBytes(path, 0, size, dtype) if os.path.getsize(path) == size else None
 
 
 def _safetensors_bytes(path: str, name: str) -> FileBytes | None:
-    """A tensor's bytes in a safetensors file, from its header (8 bytes of length, then JSON with offsets)."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    entry = header.get(name)
+    """A tensor's bytes in a safetensors file, from its header (read once per file and version)."""
+    stat = os.stat(path)
+    length, header = _layout(path, stat.st_mtime_ns, stat.st_size)
+    entry = header.get(name) if header is not None else None
     if entry is None or entry.get("dtype") not in _SAFETENSORS_DTYPES:
         return None
     begin, end = entry["data_offsets"]
     return FileBytes(path, 8 + length + begin, end - begin, _SAFETENSORS_DTYPES[entry["dtype"]])
+
+
+@functools.lru_cache(maxsize=16)
+def _layout(path: str, mtime_ns: int, size: int) -> tuple[int, dict | None]:
+    """`artifacts.header_layout` of one version of a file (its time and size in the key); (0, None) when it has
+    no safetensors header."""
+    try:
+        return header_layout(Path(path))
+    except (ValueError, UnicodeDecodeError):
+        return 0, None
 
 
 class LayerStream:
@@ -268,17 +277,6 @@ class LayerStream:
                 done.record(self._copy_stream)
             done.synchronize()  # the pinned buffers are free before the next read into them
             return done
-
-    def close(self) -> None:
-        """Wait for any load and stop the worker (a later call starts another)."""
-        for slot, pending in enumerate(self.loading):
-            if pending is not None:
-                pending.result()
-            self.loading[slot] = None
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None
-
 
 def _read(source: FileBytes | torch.Tensor, tensor: torch.Tensor) -> None:
     """`source`'s values into the CPU tensor `tensor`: copied from memory, or read from a file (through a buffer
