@@ -275,7 +275,10 @@ def measure_pass_costs(
     runner = runner_for(long + max_width + 1)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab_size, (context + max_width,), generator=generator).tolist()
-    runner.run(runner.embed(ids[:context], 0), range(len(runner.layers)), 0)
+    embeds = runner.embed(ids[:context], 0)  # [1, context, hidden]
+    runner.run(embeds, range(num_layers), 0)
+    if runner.head is not None:  # its slot written too (with zero states for a feature head: values do not matter)
+        runner.run(runner.head_input(embeds), [num_layers], 0)
     device = runner.positions.device
     widths = [1] if draft_only else sorted({q for q in (1, 2, 4, 8, 16, 32, 64) if q < max_width} | {max_width})
 

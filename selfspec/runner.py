@@ -42,6 +42,7 @@ class LayerRunner:
         self.bool_masks = parts.attn_implementation == "sdpa"
         self.windows = list(parts.windows) or [None] * parts.num_layers
         self.rotary_kinds = list(parts.rotary_kinds) or [None] * parts.num_layers
+        self.head = head
         if head is not None:  # an exit head (head.py) is layer N
             self.layers.append(head.layer)
             self.windows.append(self.windows[head.source_layer])
@@ -58,6 +59,13 @@ class LayerRunner:
         # a verify pass).
         self.head_feature: torch.Tensor | None = None
         self.draft_feature: torch.Tensor | None = None
+
+    def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the head's layer takes at these rows `[r, q, hidden]` for a pass that only times or fills it: an
+        exit head, the hidden states; a feature head, their join with zero preceding states (its layer may be
+        wider)."""
+        inputs = getattr(self.head, "inputs", None)
+        return hidden if inputs is None else inputs(hidden, torch.zeros_like(hidden))
 
     def rotary_tables(self, positions: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
         """(cos, sin) per layer type, each `[1, capacity, rot_dim]`, for `positions` `[1, capacity]`.

@@ -135,13 +135,14 @@ def make_head(model, path, *, exit_layer: int, source_layer: int | None = None, 
     return save_head(path, head, model=model, parts=parts, training={"note": "untrained test head"})
 
 
-def make_feature_head(model, path, *, reads: tuple[int, ...] | None = None, noise: float = 0.05, seed: int = 0):
-    """Save an (untrained) feature head for `model`, its weights perturbed by `noise`."""
+def make_feature_head(model, path, *, reads: tuple[int, ...] | None = None, noise: float = 0.05, seed: int = 0,
+                      layout: str = "joined"):
+    """Save an (untrained) feature head of `layout` for `model`, its weights perturbed by `noise`."""
     from selfspec.registry import model_parts
     from selfspec.feature_head import FeatureHead, save_feature_head
 
     parts = model_parts(model)
-    head = FeatureHead.from_model(parts, reads=reads)
+    head = FeatureHead.from_model(parts, reads=reads, layout=layout)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in head.parameters():

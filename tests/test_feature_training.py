@@ -25,13 +25,14 @@ def test_unroll_mask_is_a_draft_chains_view():
     assert unroll_mask(5, 0, 2)[4].tolist() == [False, False, False, True, True]
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gpt2", "qwen3"])
-def test_unrolled_steps_equal_the_engines_draft_steps(arch):
+@pytest.mark.parametrize("arch, layout", [("llama", "joined"), ("gemma3_text", "joined"), ("gpt2", "joined"),
+                                          ("qwen3", "joined"), ("llama", "eagle3"), ("qwen3", "eagle3")])
+def test_unrolled_steps_equal_the_engines_draft_steps(arch, layout):
     """Step j at position s + j is what the engine's draft computes at step j of a round starting at s, the
     drafted tokens being the sequence's own."""
     model = tiny_model(arch)
     parts = model_parts(model)
-    head = FeatureHead.from_model(parts)
+    head = FeatureHead.from_model(parts, layout=layout)
     with torch.no_grad():
         for p in head.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -48,10 +49,11 @@ def test_unrolled_steps_equal_the_engines_draft_steps(arch):
             torch.testing.assert_close(runner.draft_feature[0, 0], unrolled[j][0, s + j], rtol=1e-4, atol=1e-5)
 
 
-def test_training_lowers_the_loss_and_reports_agreement_per_position():
+@pytest.mark.parametrize("layout", ["joined", "eagle3"])
+def test_training_lowers_the_loss_and_reports_agreement_per_position(layout):
     model = tiny_model("llama", torch.float32)
     parts = model_parts(model)
-    head = FeatureHead.from_model(parts).requires_grad_(True).train()
+    head = FeatureHead.from_model(parts, layout=layout).requires_grad_(True).train()
     data = [target_states(parts, random_prompt(24, seed=i)[0].tolist(), head.reads) for i in range(6)]
     log = train_features(head, parts, data[1:], data[:1], steps=3, epochs=6, minutes=5, lr=3e-3, positions=16,
                          eval_every=10)

@@ -419,6 +419,7 @@ def artifacts(model, tmp_path_factory):
         "head": str(make_head(model, folder / "head", exit_layer=2, source_layer=3, noise=0.05)),
         "vocab": str(make_vocab(model, folder / "vocab")),
         "features": str(make_feature_head(model, folder / "features", noise=0.05)),
+        "eagle3": str(make_feature_head(model, folder / "eagle3", noise=0.05, layout="eagle3")),
     }
 
 
@@ -510,6 +511,13 @@ CASES[FEATURE_TREE_CASE] = (
     dict(temperature=0.8, top_p=0.9),
     LogitsProcessorList([TemperatureLogitsWarper(0.8), TopPLogitsWarper(0.9)]),
 )
+# The same as a head of EAGLE-3's layout (`eagle3.py`): its attention reads the token and f side by side.
+EAGLE3_TREE_CASE = "T=0.8, top_p=0.9, EAGLE-3 layout head drafts a tree (<= 6 nodes), k=3"
+CASES[EAGLE3_TREE_CASE] = (
+    lambda a: selfspec.DraftPlan(head=a["eagle3"], tree=6, draft_length=3, policy="fixed"),
+    dict(temperature=0.8, top_p=0.9),
+    LogitsProcessorList([TemperatureLogitsWarper(0.8), TopPLogitsWarper(0.9)]),
+)
 PROMPTS = {case: TREE_PROMPT for case in CASES if "trees" in case}
 STEPS = {case: "static" for case in CASES if case.startswith("static step")}
 
@@ -564,7 +572,7 @@ def test_sampling_matches_exact_target_law(model, artifacts, case, monkeypatch):
         assert totals["tree_rounds"] > N_E2E / 4 and totals["recycled_accepted"] > N_E2E / 10, totals
     elif case in PROMPTS:  # trees were verified, not just chains (a tree's round has no bonus: not all nodes are kept)
         assert totals["tree_rounds"] > N_E2E / 2 and totals["recovered"] > 0, totals
-    elif case in (HEAD_TREE_CASE, FEATURE_TREE_CASE):
+    elif case in (HEAD_TREE_CASE, FEATURE_TREE_CASE, EAGLE3_TREE_CASE):
         assert totals["layer_tree_rounds"] > N_E2E / 2 and totals["recovered"] > 0, totals
     else:
         assert totals["recovered"] > 0 and totals["bonus"] > 0, totals

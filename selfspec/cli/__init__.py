@@ -5,6 +5,7 @@
     selfspec tune smollm2-135m-instruct --out my_plan.json     # search a fast plan
     selfspec train-head smollm2-135m-instruct --exit-layer 8 --out heads/e8   # train an exit head
     selfspec count-vocab smollm2-135m-instruct --out heads/vocab              # count a draft vocabulary
+    selfspec export-head smollm2-135m-instruct heads/f.json --out eagle3-f    # a head for vLLM / SGLang
     selfspec costs smollm2-135m-instruct                       # what a pass costs here, float32 and bfloat16
     selfspec serve smollm2-135m-instruct --port 8000           # an OpenAI-compatible HTTP server
 
@@ -29,6 +30,7 @@ COMMANDS = {  # command -> its module in selfspec.cli
     "tune": "tune",
     "train-head": "train_head",
     "count-vocab": "count_vocab",
+    "export-head": "export_head",
     "costs": "costs",
     "serve": "serve",
 }

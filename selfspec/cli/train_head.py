@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="an exit head: the draft exits after layer E-1 (valid: 1..layers-1)")
     parser.add_argument("--reads", type=common.integer_list, default=None, metavar="I,J,K",
                         help="a feature head: the layers whose output it reads (default: a low, a middle, a high one)")
+    parser.add_argument("--layout", choices=["joined", "eagle3"], default="joined",
+                        help="a feature head: 'joined' (any family) or 'eagle3' (EAGLE-3's layer; Llama-structured "
+                             "families; `selfspec export-head` writes it for vLLM and SGLang) (default: joined)")
     parser.add_argument("--unroll", type=common.integer(2, 8), default=4,
                         help="a feature head: draft steps trained on, the first from the target's states (default: 4)")
     parser.add_argument("--positions", type=common.integer(1), default=128,
@@ -76,6 +79,14 @@ def run(args: argparse.Namespace) -> int:
     inputs = common.read_text_inputs(args)
     model, tokenizer, parts = common.load_float32(args)
     check_against_model(args, parts.num_layers)
+    if args.feature and args.layout == "eagle3":
+        from ..eagle3 import llama_structure_problem
+
+        source = parts.num_layers - 1 if args.source_layer is None else args.source_layer
+        problem = llama_structure_problem(parts.layers[source])
+        if problem is not None:
+            raise ValueError(f"argument --layout eagle3: {args.model}'s layer {source} is not Llama-structured: "
+                             f"{problem}; use --layout joined")
     text = common.training_text(args, inputs, model, tokenizer, parts)
     sequences, answers, source = text.sequences, text.answers, text.source
     if len(sequences) < 2:
@@ -138,7 +149,8 @@ def train_feature_head(args, model, parts, sequences, training: dict, began: flo
     reads = default_reads(parts.num_layers) if args.reads is None else tuple(args.reads)
     data = [target_states(parts, s, reads) for s in tqdm(sequences, desc="target states", unit="seq", file=sys.stderr)]
     eval_data, train_data = _split(args, data)
-    head = FeatureHead.from_model(parts, reads=reads, source_layer=args.source_layer, scale=state_scale(train_data))
+    head = FeatureHead.from_model(parts, reads=reads, source_layer=args.source_layer, scale=state_scale(train_data),
+                                  layout=args.layout)
     head.requires_grad_(True).train()
     bar, step = _bar(int(args.epochs * len(train_data)))
     with bar:
@@ -147,7 +159,7 @@ def train_feature_head(args, model, parts, sequences, training: dict, began: flo
                              ids=ids, progress=step)
     head.eval().requires_grad_(False)
     out = Path(args.out)
-    training.update(unroll=args.unroll, positions=args.positions, seconds=round(time.perf_counter() - began),
+    training.update(layout=args.layout, unroll=args.unroll, positions=args.positions, seconds=round(time.perf_counter() - began),
                     tokens=log.tokens, training_seconds=round(log.seconds), steps=len(log.steps),
                     eval_steps=log.eval_steps, eval_agreement=log.eval_agreement, eval_chain=log.eval_chain,
                     final_loss=sum(log.losses[-20:]) / max(1, len(log.losses[-20:])))
