@@ -63,7 +63,9 @@ import transformers
 
 import selfspec
 from selfspec.static import GraphedRunner, StaticRunner
+from selfspec.eagle3 import llama_structure_problem
 from selfspec.feature_head import FeatureHead
+from selfspec.registry import model_parts
 from selfspec.testing import TINY_CONFIGS, make_feature_head, make_head, make_vocab, random_prompt, tiny_model
 
 DEVICE = torch.device(os.environ.get("SELFSPEC_CHECK_DEVICE", "cuda"))  # "cpu" for a dry run
@@ -76,7 +78,11 @@ def plans(folder: Path, model) -> list[selfspec.DraftPlan]:
     head = str(make_head(model, folder / f"head-{id(model)}", exit_layer=2, noise=0.05))
     vocab = str(make_vocab(model, folder / f"vocab-{id(model)}"))
     features = str(make_feature_head(model, folder / f"features-{id(model)}"))
-    return [
+    eagle3 = []  # a head of EAGLE-3's layout, where the family's layer has the Llama structure
+    if llama_structure_problem(model_parts(model).layers[-1]) is None:
+        head3 = str(make_feature_head(model, folder / f"eagle3-{id(model)}", layout="eagle3"))
+        eagle3 = [selfspec.DraftPlan(head=head3, tree=10, draft_length=4)]
+    return eagle3 + [
         selfspec.DraftPlan(head=features, draft_length=4, policy="fixed"),  # a feature head's chain
         selfspec.DraftPlan(head=features, tree=10, draft_vocab=vocab, draft_length=4),  # and its tree
         selfspec.DraftPlan(exit_layer=2, draft_length=4),

@@ -1,23 +1,21 @@
 """Write a feature head of layout "eagle3" as an EAGLE-3 draft checkpoint that vLLM and SGLang load.
 
-The layout followed is the one vLLM's `llama_eagle3.py` loads
-(`Eagle3LlamaForCausalLM`, read at vLLM commit 00bd149, December 2025) and
-SGLang's `llama_eagle3.py` shares: a folder with `config.json`
-(`LlamaForCausalLMEagle3`, one hidden layer, `draft_vocab_size`, the read
-layers as `eagle_aux_hidden_state_layer_ids`) and `model.safetensors` with
-`fc`, `midlayer.*`, `norm`, `lm_head` (the draft vocabulary's rows of the
-target's LM head) and the vocabulary maps `d2t` (target id = draft id +
-d2t[draft id]) and `t2d` (which target ids the draft has). The embedding is
-left out: those engines share the target's.
+The layout of vLLM's `llama_eagle3.py` (read at commit 00bd149) and
+SGLang's (03d5a77): `config.json` (`LlamaForCausalLMEagle3`, one layer,
+`draft_vocab_size`, the reads as `eagle_aux_hidden_state_layer_ids`) and
+`model.safetensors`: `fc`, `midlayer.*`, `norm`, `lm_head` (the draft
+vocabulary's rows of the target's), `d2t` (target id = draft id +
+d2t[draft id]) and `t2d`. No embedding: those engines share the target's.
 
 Their layer ids count the embedding as 0, so selfspec's read r (the output of
 layer r) is their id r + 1. What the layout cannot say is refused: a head
 reading other than 3 layers or the last layer's output, attention with
 query/key norms (Qwen 3), a sliding window. One difference stays: selfspec's
 head also keeps a cache entry for the first token (with f = 0), which those
-engines' drafters do not make.
+engines' drafters do not make; and SGLang's layer has no attention bias, so
+a head with q/k/v biases (Qwen 2) is exact in vLLM only.
 
-A tool: it reads a trained head and writes files; the engine never imports it.
+A tool; the engine never imports it.
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ from ..feature_head import FeatureHead
 from ..parts import ModelParts
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-FOLLOWS = "vLLM llama_eagle3.py at commit 00bd149 (December 2025); SGLang llama_eagle3.py loads the same names"
+FOLLOWS = "vLLM's llama_eagle3.py (commit 00bd149) and SGLang's llama_eagle3.py (commit 03d5a77)"
 
 
 def layout_problem(head: FeatureHead, parts: ModelParts) -> str | None:
