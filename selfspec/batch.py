@@ -22,6 +22,8 @@ resuming after the exact prefix.
 
 from __future__ import annotations
 
+import contextlib
+
 import time
 from collections.abc import Callable
 
@@ -127,13 +129,24 @@ class BatchSession:
         A row that is done at once (`max_new_tokens=1`, or EOS first) is
         returned finished and does not join.
         """
-        with torch.no_grad(), cpu_kernels(linear=self.linear, attention=self.attention):
+        with torch.no_grad(), cpu_kernels(linear=self.linear, attention=self.attention), self._counting_stream():
             return self._add(prompt, **options)
 
     def step(self) -> list[BatchRow]:
         """One round for every row; returns the rows that finished in it (they have left the batch)."""
-        with torch.no_grad(), cpu_kernels(linear=self.linear, attention=self.attention):
+        with torch.no_grad(), cpu_kernels(linear=self.linear, attention=self.attention), self._counting_stream():
             return self._step()
+
+    @contextlib.contextmanager
+    def _counting_stream(self):
+        """Add the offloaded bytes the passes inside read (`streaming.py`) to the session's stats."""
+        stream = self.parts.stream
+        before = stream.bytes_read if stream is not None else 0
+        try:
+            yield
+        finally:
+            if stream is not None:
+                self.stats.streamed_bytes += stream.bytes_read - before
 
     def _add(self, prompt: list[int], *, streamer=None, stopping_criteria=None, logits_processor=None,
              generation_config=None, tokenizer=None, generator: torch.Generator | None = None, **kwargs) -> BatchRow:

@@ -302,3 +302,4 @@ def test_a_batch_of_rows_streams_the_offloaded_layers(tmp_path, monkeypatch):
         session.step()
     assert [row.new_tokens for row in rows] == expected
     assert loads[0] == 0 and spec.parts.stream.bytes_read > 0
+    assert session.stats.streamed_bytes == spec.parts.stream.bytes_read  # the session's stats say what it read
