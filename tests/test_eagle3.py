@@ -215,6 +215,10 @@ def test_train_and_export_from_the_command_line(tmp_path, capsys):
     assert config["draft_vocab_size"] == trained["tokens"] and config["torch_dtype"] == "bfloat16"
     assert load_file(str(tmp_path / "e3" / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
     model, _ = selfspec.load(str(folder), dtype="float32")
+    joined = make_feature_head(model, tmp_path / "joined", reads=(0, 2, 4))
+    assert main(["export-head", str(folder), str(joined), "--out", str(tmp_path / "no")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and "its layout is 'joined'; train it with --layout eagle3" in error, error
     spec = selfspec.wrap(model, plan=str(tmp_path / "heads" / "f.plan.json"))
     prompt = torch.tensor([[2, 5, 7, 5, 9]])
     assert torch.equal(spec.generate(prompt, max_new_tokens=12),
