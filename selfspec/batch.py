@@ -23,7 +23,6 @@ resuming after the exact prefix.
 from __future__ import annotations
 
 import contextlib
-
 import time
 from collections.abc import Callable
 

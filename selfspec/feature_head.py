@@ -143,7 +143,8 @@ def check_feature_manifest(manifest: dict, num_layers: int) -> None:
         raise ValueError(f"reads={reads!r} out of range for this model of {num_layers} layers "
                          f"(valid: increasing integers in 0..{num_layers - 1})")
     if manifest.get("layout", "joined") not in LAYOUTS:
-        raise ValueError(f"layout={manifest.get('layout')!r} is not a feature-head layout (valid: {', '.join(LAYOUTS)})")
+        raise ValueError(f"layout={manifest.get('layout')!r} is not a feature-head layout "
+                         f"(valid: {', '.join(LAYOUTS)})")
     source = manifest.get("source_layer")
     if not isinstance(source, int) or isinstance(source, bool) or not 0 <= source < num_layers:
         raise ValueError(f"source_layer={source!r} out of range (valid: an integer in 0..{num_layers - 1})")
@@ -154,7 +155,8 @@ def load_feature_head(path: str | os.PathLike, *, model, parts: ModelParts) -> F
     built: list[FeatureHead] = []
 
     def check_tensors(manifest: dict, header: dict) -> None:
-        built.append(FeatureHead.from_model(parts, reads=tuple(manifest["reads"]), source_layer=manifest["source_layer"],
+        built.append(FeatureHead.from_model(parts, reads=tuple(manifest["reads"]),
+                                            source_layer=manifest["source_layer"],
                                             layout=manifest.get("layout", "joined")))
         check_head_header(header, built[0])
 

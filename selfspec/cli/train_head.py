@@ -159,8 +159,9 @@ def train_feature_head(args, model, parts, sequences, training: dict, began: flo
                              ids=ids, progress=step)
     head.eval().requires_grad_(False)
     out = Path(args.out)
-    training.update(layout=args.layout, unroll=args.unroll, positions=args.positions, seconds=round(time.perf_counter() - began),
-                    tokens=log.tokens, training_seconds=round(log.seconds), steps=len(log.steps),
+    training.update(layout=args.layout, unroll=args.unroll, positions=args.positions,
+                    seconds=round(time.perf_counter() - began), tokens=log.tokens,
+                    training_seconds=round(log.seconds), steps=len(log.steps),
                     eval_steps=log.eval_steps, eval_agreement=log.eval_agreement, eval_chain=log.eval_chain,
                     final_loss=sum(log.losses[-20:]) / max(1, len(log.losses[-20:])))
     if ids is not None:
