@@ -24,7 +24,8 @@ from selfspec.cli import main
 from selfspec.feature_head import FeatureHead, load_feature_head
 from selfspec.registry import model_parts
 from selfspec.runner import LayerRunner
-from selfspec.testing import make_feature_head, make_vocab, random_prompt, save_tiny_llama, tiny_model
+from selfspec.testing import (make_feature_head, make_vocab, random_prompt, save_tiny_llama, save_word_tokenizer,
+                              tiny_model)
 from selfspec.training.eagle3_export import export_eagle3, layout_problem
 from selfspec.training.feature_distill import target_states, unrolled_states
 from selfspec.vocab import load_vocab
@@ -70,6 +71,25 @@ def test_other_layers_are_refused_with_the_reason(arch):
         FeatureHead.from_model(model_parts(tiny_model(arch)), layout="eagle3")
     with pytest.raises(ValueError, match="not a feature-head layout"):
         FeatureHead.from_model(model_parts(tiny_model("llama")), layout="eagle-3")
+
+
+def test_a_manifest_naming_an_unknown_layout_is_refused(tmp_path):
+    model = tiny_model("llama")
+    path = make_feature_head(model, tmp_path / "head", layout="eagle3")
+    manifest = json.loads(path.read_text())
+    path.write_text(json.dumps({**manifest, "layout": "eagle-3"}))
+    with pytest.raises(ValueError, match="layout='eagle-3' is not a feature-head layout"):
+        load_feature_head(path, model=model, parts=model_parts(model))
+
+
+def test_train_head_refuses_eagle3_for_another_family_before_generating(tmp_path, capsys):
+    folder = tmp_path / "gemma"
+    tiny_model("gemma3_text", torch.float32).save_pretrained(folder)
+    save_word_tokenizer(folder, ["<unk>", "<pad>"] + [f"w{i}" for i in range(30)])
+    code = main(["train-head", str(folder), "--feature", "--layout", "eagle3", "--out", str(tmp_path / "h")])
+    err = capsys.readouterr().err
+    assert code == 2 and "own answers" not in err, err
+    assert "is not Llama-structured" in err.splitlines()[-1] and "use --layout joined" in err.splitlines()[-1], err
 
 
 def expected_shapes(config, vocab_size: int, draft: int, biased: bool) -> dict[str, tuple[int, ...]]:
