@@ -12,8 +12,8 @@ from selfspec.plan import DraftPlan
 from selfspec.registry import model_parts
 from selfspec.runner import LayerRunner
 from selfspec.testing import random_prompt, tiny_model
-from selfspec.training.feature_distill import (agreement, state_scale, target_states, train_features, unroll_mask,
-                                              unrolled_states)
+from selfspec.training.feature_distill import (agreement, answer_start, state_scale, target_states, train_features,
+                                              unroll_mask, unrolled_states)
 
 
 def test_unroll_mask_is_a_draft_chains_view():
@@ -99,3 +99,23 @@ def test_a_new_head_is_scaled_to_the_read_states():
     head = FeatureHead.from_model(parts, reads=reads, scale=scale)
     eye = torch.eye(hidden)
     assert torch.allclose(head.join.weight, scale * torch.cat([0.1 * eye, eye], dim=1))
+
+
+def test_agreement_is_measured_on_the_answer_positions():
+    assert answer_start([1, 2, 3, 4, 5], [4, 5]) == 3
+    assert answer_start([1, 2, 3, 4], [3, 4, 9, 9]) == 2  # the sequence was cut short inside the answer
+    assert answer_start([1, 2, 3], [1, 2, 3]) == 0  # a piece of a text file: all of it counts
+    assert answer_start([1, 2, 3], [7]) == 0  # not there: every position counts
+    assert answer_start([1, 2, 3], []) == 3  # an empty answer: none does
+    model = tiny_model("llama", torch.float32)
+    parts = model_parts(model)
+    head = FeatureHead.from_model(parts)
+    tokens = random_prompt(20, seed=3)[0].tolist()
+    whole = target_states(parts, tokens, head.reads)
+    per_position, _ = agreement(head, parts, [whole], 3)
+    last_chain = target_states(parts, tokens, head.reads, answer_start=17)  # one chain of 3: from 17
+    _, chain = agreement(head, parts, [last_chain], 3)
+    assert chain in (0.0, 1.0, 2.0, 3.0)
+    none = target_states(parts, tokens, head.reads, answer_start=20)
+    assert agreement(head, parts, [none], 3) == ([0.0, 0.0, 0.0], 0.0)
+    assert agreement(head, parts, [target_states(parts, tokens, head.reads, answer_start=0)], 3)[0] == per_position

@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         counts = count_tokens(answers[_held_out(args, len(answers)):], parts.lm_head.weight.shape[0])
         vocab = save_vocab(out.parent / f"{out.name}-vocab", counts, model=model, parts=parts, source=source)
     if args.feature:
-        manifest, plan, summary = train_feature_head(args, model, parts, sequences, training, began, vocab)
+        manifest, plan, summary = train_feature_head(args, model, parts, sequences, answers, training, began, vocab)
     else:
         manifest, plan, summary = train_exit_head(args, model, parts, sequences, training, began)
     plan_path = out.parent / f"{out.name}.plan.json"
@@ -135,19 +135,21 @@ def _bar(total: int):
     return bar, step
 
 
-def train_feature_head(args, model, parts, sequences, training: dict, began: float, vocab: Path | None):
+def train_feature_head(args, model, parts, sequences, answers, training: dict, began: float, vocab: Path | None):
     """Train, save and describe a feature head: (manifest path, its plan, a summary to print). With a draft
     vocabulary (`vocab`, its manifest), the head learns to draft from its counted tokens, and its plan uses it."""
     from tqdm.auto import tqdm
 
     from ..feature_head import FeatureHead, default_reads, save_feature_head
     from ..plan import DraftPlan
-    from ..training.feature_distill import plot_agreement, state_scale, target_states, train_features
+    from ..training.feature_distill import answer_start, plot_agreement, state_scale, target_states, train_features
     from ..vocab import load_vocab
 
     ids = None if vocab is None else load_vocab(vocab, 0, model=model, parts=parts).ids  # [K]: every counted token
     reads = default_reads(parts.num_layers) if args.reads is None else tuple(args.reads)
-    data = [target_states(parts, s, reads) for s in tqdm(sequences, desc="target states", unit="seq", file=sys.stderr)]
+    starts = [answer_start(s, a) for s, a in zip(sequences, answers)]  # agreement is measured on the answers
+    data = [target_states(parts, s, reads, start)
+            for s, start in tqdm(list(zip(sequences, starts)), desc="target states", unit="seq", file=sys.stderr)]
     eval_data, train_data = _split(args, data)
     head = FeatureHead.from_model(parts, reads=reads, source_layer=args.source_layer, scale=state_scale(train_data),
                                   layout=args.layout)
@@ -172,7 +174,7 @@ def train_feature_head(args, model, parts, sequences, training: dict, began: flo
                      draft_vocab=None if vocab is None else Path(vocab).name)
     per_position = ", ".join(f"{a:.1%}" for a in log.eval_agreement[-1])
     return manifest, plan, (f"{json.dumps({k: training[k] for k in ('seconds', 'tokens', 'final_loss')})}\n"
-                            f"held-out top-1 agreement per draft position: {per_position}; "
+                            f"held-out top-1 agreement per draft position (answer positions): {per_position}; "
                             f"mean accepted chain of {args.unroll}: {log.eval_chain[-1]:.2f}")
 
 

@@ -10,7 +10,8 @@
 3. Loss: KL(p || q) at each step, averaged, on a sample of positions (the
    LM head is most of the cost; over a draft vocabulary, a tenth of it). AdamW, warm-up, clipping, cosine decay over
    the epochs or the time budget, whichever runs out first.
-4. Held-out agreement per draft position, and the mean accepted chain length.
+4. Held-out agreement per draft position, and the mean accepted chain
+   length, over the answer positions (a prompt's templated text is easier).
 
 Training runs in float32; the model is never modified. No plans, no decode loop.
 """
@@ -36,6 +37,7 @@ class TargetStates:
     tokens: list[int]  # the sequence
     reads: torch.Tensor  # [T, reads * hidden] float32: the states after the head's read layers
     final_normed: torch.Tensor  # [T, hidden] float32: after the final norm
+    answer_start: int = 0  # the first position agreement is measured at (the answer's; 0: all)
 
 
 @dataclass
@@ -53,7 +55,7 @@ class FeatureLog:
 
 
 @torch.no_grad()
-def target_states(parts: ModelParts, sequence: list[int], reads: Sequence[int]) -> TargetStates:
+def target_states(parts: ModelParts, sequence: list[int], reads: Sequence[int], answer_start: int = 0) -> TargetStates:
     runner = LayerRunner(parts, capacity=len(sequence), device=parts.lm_head.weight.device)
     hidden, states, first = runner.embed(sequence, 0), [], 0
     for r in reads:
@@ -61,7 +63,19 @@ def target_states(parts: ModelParts, sequence: list[int], reads: Sequence[int]) 
         states.append(hidden)
         first = r + 1
     last = runner.run(hidden, range(first, parts.num_layers), 0)
-    return TargetStates(list(sequence), torch.cat(states, dim=-1)[0].float().cpu(), parts.norm(last)[0].float().cpu())
+    return TargetStates(list(sequence), torch.cat(states, dim=-1)[0].float().cpu(), parts.norm(last)[0].float().cpu(),
+                        answer_start)
+
+
+def answer_start(sequence: list[int], answer: list[int]) -> int:
+    """Where `answer` begins in `sequence` (a prompt and the answer, perhaps cut short at the end); 0 when it
+    is not there (then every position counts)."""
+    if not answer:
+        return len(sequence)
+    for start in range(max(0, len(sequence) - len(answer)), len(sequence)):
+        if sequence[start:] == answer[: len(sequence) - start]:
+            return start
+    return 0
 
 
 def state_scale(data: Sequence[TargetStates]) -> float:
@@ -133,8 +147,8 @@ def _log_probs(parts: ModelParts, normed: torch.Tensor, ids: torch.Tensor | None
 def agreement(head: FeatureHead, parts: ModelParts, data: Sequence[TargetStates], steps: int,
               ids: torch.Tensor | None = None) -> tuple[list[float], float]:
     """Top-1 agreement with the target at each draft position (1..steps), and the mean accepted length of a
-    chain of `steps` drafts (greedy: the leading drafts that agree). With a draft vocabulary `ids` `[K]`, the
-    head picks among those tokens and the target among all."""
+    chain of `steps` drafts (greedy: the leading drafts that agree), over each sequence's answer positions.
+    With a draft vocabulary `ids` `[K]`, the head picks among those tokens and the target among all."""
     same, total = [0] * steps, [0] * steps
     chains, chain_total = 0, 0
     for d in data:
@@ -144,11 +158,12 @@ def agreement(head: FeatureHead, parts: ModelParts, data: Sequence[TargetStates]
         for j, out in enumerate(unrolled_states(head, parts, runner, d, steps)):
             picked = _log_probs(parts, parts.norm(out)[0], ids).argmax(-1)  # [T]
             right = (picked if ids is None else ids[picked]) == target  # [T]
-            same[j] += int(right[j:].sum())
-            total[j] += len(right) - j
+            first = max(j, d.answer_start)
+            same[j] += int(right[first:].sum())
+            total[j] += max(0, len(right) - first)
             hits.append(right)
         length = len(d.tokens)
-        for s in range(length - steps + 1):  # the chain drafted from position s: step j checked at s + j
+        for s in range(d.answer_start, length - steps + 1):  # the chain drafted from s: step j checked at s + j
             kept = 0
             while kept < steps and hits[kept][s + kept]:
                 kept += 1
