@@ -11,7 +11,7 @@
    LM head is most of the cost; over a draft vocabulary, a tenth of it). AdamW, warm-up, clipping, cosine decay over
    the epochs or the time budget, whichever runs out first.
 4. Held-out agreement per draft position, and the mean accepted chain
-   length, over the answer positions (a prompt's templated text is easier).
+   length, over the answer positions (templated prompts are easier).
 
 Training runs in float32; the model is never modified. No plans, no decode loop.
 """
