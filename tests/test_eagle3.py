@@ -10,6 +10,7 @@ head's own draft distribution.
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -128,8 +129,8 @@ def eagle3_first_step(folder, model, tokens: list[int]) -> torch.Tensor:
     w = {k: v.double() if v.is_floating_point() else v for k, v in load_file(str(folder / "model.safetensors")).items()}
     c = json.loads((folder / "config.json").read_text())
     eps, h, d = c["rms_norm_eps"], c["hidden_size"], c["head_dim"]
-    with torch.no_grad():
-        states = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states  # [0]: the embedding
+    with torch.no_grad():  # on a copy: transformers leaves hooks on the layers that record hidden states
+        states = copy.deepcopy(model)(torch.tensor([tokens]), output_hidden_states=True).hidden_states  # [0]: embedding
     f = w["fc.weight"] @ torch.cat([states[i][0].double() for i in c["eagle_aux_hidden_state_layer_ids"]], -1).T
     f = torch.cat([torch.zeros(1, h, dtype=torch.float64), f.T[:-1]])  # [T, h]: position p pairs f at p - 1
     emb = model.get_input_embeddings().weight[tokens].double()  # [T, h]
