@@ -278,6 +278,7 @@ class LayerStream:
             done.synchronize()  # the pinned buffers are free before the next read into them
             return done
 
+
 def _read(source: FileBytes | torch.Tensor, tensor: torch.Tensor) -> None:
     """`source`'s values into the CPU tensor `tensor`: copied from memory, or read from a file (through a buffer
     of the file's dtype where it stores another)."""

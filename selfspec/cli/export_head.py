@@ -29,10 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a draft vocabulary manifest (default: the one the head was trained over, else the "
                              "whole vocabulary)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="the weights' dtype (default: float32)")
-    parser.add_argument("--verify", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--quantize", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
-    parser.add_argument("--threads", type=common.integer(1), default=None, help=argparse.SUPPRESS)
+    common.add_runtime_arguments(parser, dtype=None)  # how the model loads (in float32)
 
 
 def trained_vocab(head_path: Path) -> Path | None:

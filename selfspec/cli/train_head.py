@@ -82,10 +82,10 @@ def run(args: argparse.Namespace) -> int:
     if args.feature and args.layout == "eagle3":
         from ..eagle3 import llama_structure_problem
 
-        source = parts.num_layers - 1 if args.source_layer is None else args.source_layer
-        problem = llama_structure_problem(parts.layers[source])
+        copied = parts.num_layers - 1 if args.source_layer is None else args.source_layer
+        problem = llama_structure_problem(parts.layers[copied])
         if problem is not None:
-            raise ValueError(f"argument --layout eagle3: {args.model}'s layer {source} is not Llama-structured: "
+            raise ValueError(f"argument --layout eagle3: {args.model}'s layer {copied} is not Llama-structured: "
                              f"{problem}; use --layout joined")
     text = common.training_text(args, inputs, model, tokenizer, parts)
     sequences, answers, source = text.sequences, text.answers, text.source
