@@ -82,15 +82,16 @@ class BatchSession:
         self.layers = None
         if plan.drafts and draft_layers:
             threshold = plan.threshold if plan.policy == "fixed" and plan.adaptive else None
-            self.layers = LayerRows(tuple(draft_layers), head=self.head, vocab=vocab, threshold=threshold)
+            self.layers = LayerRows(tuple(draft_layers), head=self.head, vocab=vocab, threshold=threshold,
+                                    tree=plan.tree)
         # With the plan's `recycle`, each row's recorded next tokens grow its n-gram chain or make a tree alone.
         self.recycled = RecycledRows(plan.tree) if plan.drafts and plan.recycle and plan.tree else None
         # The first that proposes for a row drafts (recycled nodes may grow an n-gram chain).
         self.sources = [s for s in (self.ngram, self.recycled, self.layers) if s is not None]
         self.fixed = plan.policy == "fixed"
         self.max_draft = plan.draft_length if self.sources else 0
-        # The most nodes a row verifies: its chain, or a recycled tree (its chain, then recycled nodes).
-        self.max_nodes = max(self.max_draft, plan.tree if self.recycled else 0)
+        # The most nodes a row verifies: its chain, or a tree (its chain, then recycled nodes or a layer tree's).
+        self.max_nodes = max(self.max_draft, plan.tree if self.recycled or self.layers else 0)
         self.acceptance = AcceptanceEstimates(prior=plan.target_acceptance)  # every row's outcomes
         self.calibration = Calibration()  # the share of predicted extra tokens the chosen drafts brought
         self.last_table: PassCosts | None = None  # the cost table the last drafting decision used (for the stats)
@@ -200,8 +201,8 @@ class BatchSession:
         for source in self.sources if any(batch.budgets) else ():
             source.propose(batch)
         k, predicted = batch.length() if any(d.tokens or d.gains for d in batch.drafts) else (0, 0.0)
-        if self.fixed and batch.layer_steps:  # a fixed plan verifies its layer drafts whole
-            k = max(k, batch.layer_steps)
+        if self.fixed and batch.layer_steps:  # a fixed plan verifies its layer drafts whole (a tree's every node)
+            k = max([k, batch.layer_steps] + [len(d.odds) + len(d.gains) for d in batch.drafts if d.source == "layers"])
         drafts = [d.tokens[:k] for d in batch.drafts]
         width = 1 + max(d.nodes(k) for d in batch.drafts)
         # A row whose chain is shorter than the pass is wide verifies its recycled nodes or other continuations
@@ -235,8 +236,10 @@ class BatchSession:
                 kept = self._accept_chain(i, row, proposal, draft, logits[i, : len(draft) + 1], batch.starts[i])
             # 6. emit and record
             row.out.emit(kept)
-            # Recycled nodes verified: a grown tree's nodes past its whole chain (a cut chain's tree has none).
-            grown = max(0, len(tree) - len(proposal.tokens)) if tree is not None and proposal.grown is not None else 0
+            # Recycled nodes verified: a grown tree's nodes past its whole chain (a cut chain's tree has none; a
+            # layer tree's are the draft's own).
+            recycled_tree = tree is not None and proposal.grown is not None and proposal.source != "layers"
+            grown = max(0, len(tree) - len(proposal.tokens)) if recycled_tree else 0
             on_path = sum(node >= len(proposal.tokens) for node in path) if grown else 0
             row.stats.record_round(drafted=len(tree) if tree else len(draft), accepted=len(kept) - 1,
                                    draft_seconds=draft_seconds / n, verify_seconds=verify_seconds / n,

@@ -32,17 +32,17 @@ import time
 import torch
 
 from .batch_runner import BatchRunner
-from .draft import Draft
+from .draft import LAYER_BRANCHES, Draft
 from .feature_head import FeatureHead
 from .head import ExitHead
 from .ngram import NgramIndex, agreement
 from .output import Output
 from .costs import RuntimeCosts
-from .policy import AcceptanceEstimates, DepthCalibration
+from .policy import TREE_SLACK, AcceptanceEstimates, DepthCalibration
 from .recycle import SuccessorTable
 from .scoring import Scorer
 from .stats import GenerationStats
-from .tree import TokenTree
+from .tree import LayerTreeGrowth, TokenTree
 from .vocab import DraftVocab
 
 
@@ -250,35 +250,53 @@ class RecycledRows:
 
 class LayerRows:
     """The plan's draft layers (an exit head as layer N, or a feature head alone; a draft vocabulary) for every
-    row, one pass a token."""
+    row: a chain, one pass a token, or with the plan's `tree` a layer tree, one pass a level (`trees`)."""
 
     def __init__(self, layers: tuple[int, ...], *, head: ExitHead | FeatureHead | None = None, vocab: DraftVocab | None = None,
-                 threshold: float | None = None) -> None:
+                 threshold: float | None = None, tree: int = 0) -> None:
         self.layers = layers
         self.head = head
         self.vocab = vocab
         self.threshold = threshold  # a fixed plan's `adaptive` confidence threshold (None: draft the full length)
+        self.tree = tree  # the plan's node budget for a layer tree (0: chains only)
+        self.calibration = DepthCalibration()  # what a layer tree's branch nodes earned, by depth
         self.runner: BatchRunner | None = None  # the session's, set before each round
 
     def propose(self, batch: DraftRound) -> None:
         serve = [i for i, (d, b) in enumerate(zip(batch.drafts, batch.budgets)) if not d.source and b >= 1]
         if not serve:
             return
-        rows = batch.rows
-        inputs = [row.out.tokens[-1] for row in rows]
-        device = self.runner.positions.device
-        longest = max(batch.budgets[i] for i in serve)
         for i in serve:
             batch.drafts[i].source = "layers"
         features = self.head if isinstance(self.head, FeatureHead) else None
         before = None
-        if features is not None and all(row.feature is not None for row in rows):
-            before = torch.cat([row.feature for row in rows])  # [rows, 1, hidden]
+        if features is not None and all(row.feature is not None for row in batch.rows):
+            before = torch.cat([row.feature for row in batch.rows])  # [rows, 1, hidden]
+        if self.tree and self.trees_pay(batch):
+            self.trees(batch, serve, features, before)
+        else:
+            self.chains(batch, serve, features, before)
+
+    def trees_pay(self, batch: DraftRound) -> bool:
+        """Whether to draft trees this round: a fixed plan always (as one sequence's), else where a pass over a
+        branch more costs within `TREE_SLACK` of a chain's first token (`CostPolicy.tree_nodes`)."""
+        if batch.fixed:
+            return True
+        costs = batch.priced()
+        return costs.verify(3) <= costs.verify(2) * (1 + TREE_SLACK)
+
+    def chains(self, batch: DraftRound, serve: list[int], features: FeatureHead | None,
+               before: torch.Tensor | None) -> None:
+        """Every row one token a pass, while `go_on` says."""
+        rows = batch.rows
+        inputs = [row.out.tokens[-1] for row in rows]
+        device = self.runner.positions.device
+        longest = max(batch.budgets[i] for i in serve)
         while batch.layer_steps < longest and self.go_on(batch, serve):
             j = batch.layer_steps
             logits = self.runner.draft_rows(torch.tensor(inputs, device=device)[:, None],
                                             [s + j for s in batch.starts], slice(0, len(rows)), self.layers,
-                                            self.vocab, head=features, before=before)  # [rows, vocab]
+                                            self.vocab, head=features, before=before)[:, 0]  # [rows, vocab]
             before = self.runner.drafted
             batch.layer_steps += 1
             for i in serve:
@@ -294,6 +312,68 @@ class LayerRows:
                     draft.probs.append(q)
                 inputs[i] = token
 
+    def trees(self, batch: DraftRound, serve: list[int], features: FeatureHead | None,
+              before: torch.Tensor | None) -> None:
+        """Every row grows a layer tree (`tree.LayerTreeGrowth`, as one sequence's `Drafter.layer_tree`), one
+        pass over all rows' levels at a time, while `go_on` says and the tree's rows fit in `tree` nodes.
+
+        A served row's draft is then its likeliest deepest path (the chain the
+        cut prices by its confidences), then its other nodes, likeliest first,
+        each priced as its path probability times what nodes at its depth
+        earned (`RowDraft.grown`, `gains`). The nodes are the draft's top
+        choices, also when sampling: the tree rule takes fixed candidates.
+        """
+        rows, device = batch.rows, self.runner.positions.device
+        growths = [LayerTreeGrowth(LAYER_BRANCHES) for _ in rows]  # every row runs the passes; served ones keep
+        longest = max(batch.budgets[i] for i in serve)
+        while (batch.layer_steps < longest and self.go_on(batch, serve)
+               and (not batch.layer_steps or len(growths[0].ran) + LAYER_BRANCHES <= self.tree)):
+            if not batch.layer_steps:
+                ids, trees, first_row = [[row.out.tokens[-1]] for row in rows], None, 0
+            else:
+                if features is not None:  # each node reads its parent's output
+                    slots = torch.tensor([growth.parent_slots for growth in growths], device=device)  # [rows, w]
+                    drafted = self.runner.drafted  # [rows, w before, hidden]
+                    before = drafted.gather(1, slots[:, :, None].expand(-1, -1, drafted.shape[-1]))  # [rows, w, hidden]
+                levels = [growth.run_level() for growth in growths]
+                trees, first_row = [level[0] for level in levels], levels[0][1]
+                ids = [level[2] for level in levels]
+            logits = self.runner.draft_rows(torch.tensor(ids, device=device), batch.starts, slice(0, len(rows)),
+                                            self.layers, self.vocab, head=features, before=before,
+                                            trees=trees, first_row=first_row)  # [rows, w, vocab]
+            batch.layer_steps += 1
+            for i, (row, growth) in enumerate(zip(rows, growths)):
+                scores = logits[i]  # [w, vocab]
+                if i in serve and row.scorer.processors:  # each node conditioned on its own path
+                    contexts = [row.out.tokens + growth.lineage(node) for node in growth.level]
+                    scores = torch.cat([row.scorer.scores(scores[j : j + 1], c, len(c)) for j, c in enumerate(contexts)])
+                growth.expand(scores)
+                if i in serve and batch.layer_steps <= batch.budgets[i]:
+                    self.take_chain(batch, i, growth)
+        if not batch.layer_steps:
+            return
+        ratios = (self.calibration if batch.learned else DepthCalibration()).ratios()
+        for i in serve:
+            draft = batch.drafts[i]
+            tree, path_probs = growths[i].tree(self.tree, max_depth=batch.budgets[i])
+            chain = len(draft.tokens)
+            draft.grown, draft.values = tree, list(path_probs[chain:])
+            draft.gains = [ratios[min(depth, len(ratios)) - 1] * value
+                           for depth, value in zip(tree.depths()[1 + chain :], draft.values)]
+        if batch.learned:
+            self.calibration.decay()
+
+    @staticmethod
+    def take_chain(batch: DraftRound, i: int, growth: LayerTreeGrowth) -> None:
+        """Row i's chain: its tree's likeliest deepest path, each token's confidence the draft's probability of it
+        after the path before it."""
+        path = growth.best_path()
+        reach = [1.0] + [growth.proposals[node][0] for node in path]
+        draft = batch.drafts[i]
+        draft.tokens = [growth.proposals[node][2] for node in path]
+        draft.confidences = [p / r if r > 0 else 0.0 for p, r in zip(reach[1:], reach)]
+        draft.odds = [batch.acceptance.layer_token(j + 1, c) for j, c in enumerate(draft.confidences)]
+
     def go_on(self, batch: DraftRound, serve: list[int]) -> bool:
         """Whether to draft one more token for the rows served: a fixed plan while some row's confidence holds,
         else while some longer cut beats stopping now."""
@@ -306,7 +386,20 @@ class LayerRows:
         return batch.length(futures)[0] > j
 
     def learn(self, batch: DraftRound, i: int, verified: int, kept: list[int], path: list[int] | None) -> None:
+        """A chain's verified tokens teach the layer estimates; a tree's first path does, as far as it was kept,
+        and its other nodes the depth calibration."""
         draft = batch.drafts[i]
-        if draft.source == "layers" and verified:
-            shown = Draft(draft.tokens[:verified], None, [], confidences=draft.confidences[:verified])
+        if draft.source != "layers" or not verified:
+            return
+        chain = min(verified, len(draft.tokens))
+        shown = Draft(draft.tokens[:chain], None, [], confidences=draft.confidences[:chain])
+        if path is None:
             batch.acceptance.observe(shown, len(kept) - 1)
+            return
+        batch.acceptance.observe(shown, draft.grown.first_path_kept(path) if chain else 0)
+        if batch.learned:
+            on_path, depths = set(path), draft.grown.depths()
+            nodes = range(len(draft.tokens), min(verified, len(draft.grown)))
+            self.calibration.observe(depths=[depths[1 + node] for node in nodes],
+                                     values=[draft.values[node - len(draft.tokens)] for node in nodes],
+                                     kept=[node in on_path for node in nodes])

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import warnings
 
 import torch
 
@@ -28,10 +27,6 @@ from .output import Clock
 
 def open_session(spec) -> BatchSession:
     """`spec.batch_session()`: a session over the wrapper `spec`'s model, plan and kernels."""
-    if spec.plan.drafts and spec.plan.tree and batch_draft_layers(spec):
-        warnings.warn(f"plan {spec.describe_plan()!r}: a batch's layers (or head) draft chains, not trees; one "
-                      f"sequence drafts layer trees", stacklevel=3)
-
     return BatchSession(spec.parts, spec.plan, settings_for=functools.partial(row_settings, spec),
                         costs_for=lambda rows, learn: batch_costs(spec, rows, learn),
                         check_context=spec.check_context, linear=spec.linear_kernels(),

@@ -167,24 +167,28 @@ class BatchRunner(LayerRunner):
             self.rotary = self.rotary_tables(self.positions)
 
     def begin_pass(self, starts: list[int], q: int, rows: slice,
-                   trees: list[TokenTree | None] | None = None) -> RowPass:
+                   trees: list[TokenTree | None] | None = None, first_row: int = 0) -> RowPass:
         """Point the cache at `rows`, row j writing q entries from starts[j]; its layers attend to what it may see.
 
-        Where `trees[j]` is a tree (`tree.py`) of n < q nodes, row j's first
-        n + 1 tokens are its root and nodes: node rows sit at start + depth and
-        see, of the pass's own entries, only their ancestors.
+        Where `trees[j]` is a tree (`tree.py`) of n nodes, row j's tree rows
+        are its root (at starts[j]) and nodes: node rows sit at start + depth
+        and see, of the tree's entries, only their ancestors. The pass writes
+        tree rows `first_row`.. (a layer tree's level: every row's tree then,
+        its earlier levels already in the cache); with `first_row` 0, rows past
+        the tree's are a chain after it.
         """
         r = len(starts)
         device = self.positions.device
-        slots = torch.tensor(starts, device=device)[:, None] + torch.arange(q, device=device)  # [r, q]
+        slots = torch.tensor(starts, device=device)[:, None] + first_row + torch.arange(q, device=device)  # [r, q]
         trees = trees or [None] * r
         positions = slots
         if any(trees):
-            depths = [list(range(q)) if tree is None else tree.depths() + list(range(len(tree) + 1, q))
-                      for tree in trees]
+            rows_of = range(first_row, first_row + q)
+            depths = [list(rows_of) if tree is None else (tree.depths() + list(range(len(tree) + 1, first_row + q)))
+                      [first_row:] for tree in trees]
             positions = torch.tensor(starts, device=device)[:, None] + torch.tensor(depths, device=device)
         cache = self.cache
-        cache.rows, cache.write_slots, cache.span = rows, slots, max(starts) + q
+        cache.rows, cache.write_slots, cache.span = rows, slots, max(starts) + first_row + q
         cache.write_rows = torch.arange(r, device=device)[:, None].expand(r, q)  # [r, q]
         rotary = {kind: tuple(t[0][positions] for t in table) for kind, table in self.rotary.items()}  # [r, q, dim]
         keys = torch.arange(cache.span, device=device)  # [span]
@@ -199,7 +203,8 @@ class BatchRunner(LayerRunner):
             for j, tree in enumerate(trees):
                 if tree is not None:  # within the tree's rows, each sees itself and its ancestors
                     n = len(tree) + 1
-                    allowed[j, :n, starts[j] : starts[j] + n] = tree.visibility().to(device)
+                    seen = tree.visibility()[first_row : first_row + q]  # [rows this pass writes, n]
+                    allowed[j, : len(seen), starts[j] : starts[j] + n] = seen.to(device)
             if window is not None:  # an ancestor sits within a tree's depth of its node, inside any window
                 allowed &= keys[None, None] > positions[:, :, None] - window
             return self.row_mask(allowed)
@@ -252,21 +257,25 @@ class BatchRunner(LayerRunner):
 
     def draft_rows(self, ids: torch.Tensor, starts: list[int], rows: slice, layers,
                    vocab: DraftVocab | None = None, *, head: FeatureHead | None = None,
-                   before: torch.Tensor | None = None) -> torch.Tensor:
-        """One drafted token for each row: `layers` on `ids` `[r, 1]` at starts[j]; `[r, vocab]` float32 logits.
+                   before: torch.Tensor | None = None, trees: list[TokenTree] | None = None,
+                   first_row: int = 0) -> torch.Tensor:
+        """A draft step for each row: `layers` on `ids` `[r, w]`; `[r, w, vocab]` float32 logits.
 
-        Writes only `layers`' entries, at each row's slot past its length: the
-        verify pass writes every layer's there anew. The rows' lengths stay.
-        A feature `head` runs alone on the tokens joined with `before` `[r, 1,
-        hidden]` (zeros for None); its outputs are kept in `drafted`.
+        A chain's step (w = 1) sits at starts[j]; a layer tree's level is tree
+        rows `first_row`.. of `trees[j]` (`begin_pass`). Writes only `layers`'
+        entries, past each row's length: the verify pass writes every layer's
+        there anew. The rows' lengths stay. A feature `head` runs alone on the
+        tokens joined with `before` `[r, w, hidden]` (zeros for None); its
+        outputs are kept in `drafted`.
         """
-        step = self.begin_pass(starts, 1, rows)
-        hidden = self.embed_rows(ids, step)  # [r, 1, hidden]
+        r, w = ids.shape
+        step = self.begin_pass(starts, w, rows, trees, first_row)
+        hidden = self.embed_rows(ids, step)  # [r, w, hidden]
         if head is not None:
             hidden = self.drafted = self.run_rows(head.inputs(hidden, _or_zeros(before, hidden)), [head.slot], step)
         else:
-            hidden = self.run_rows(hidden, layers, step)  # [r, 1, hidden]
-        return self.logits(hidden.transpose(0, 1), vocab)  # [r, vocab]
+            hidden = self.run_rows(hidden, layers, step)  # [r, w, hidden]
+        return self.logits(hidden.reshape(1, r * w, -1), vocab).view(r, w, -1)  # [r, w, vocab]
 
     def run_feature_rows(self, hidden: torch.Tensor, head: FeatureHead, step: RowPass, before: torch.Tensor | None,
                          trees: list[TokenTree | None] | None = None) -> torch.Tensor:

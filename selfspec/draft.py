@@ -34,7 +34,7 @@ from .plan import DraftPlan
 from .recycle import SuccessorTable
 from .runner import LayerRunner
 from .scoring import Scorer
-from .tree import TokenTree
+from .tree import LayerTreeGrowth, TokenTree
 from .vocab import DraftVocab
 
 
@@ -185,57 +185,37 @@ class Drafter:
         """
         start = len(tokens) - 1
         layers = (*self.prefix_layers, *self.other_layers)  # what `step` runs: the plan's layers, or a head's
-        proposals: list[tuple[float, int, int, int]] = []  # (path probability, parent proposal or -1, token, depth)
-        ran: list[int] = []  # the proposals the passes ran, in their rows (1..; row 0 is the last token)
-        level = [-1]  # the proposals the next pass runs (-1: the last token)
+        growth = LayerTreeGrowth(LAYER_BRANCHES)
         coverage: float | None = None
         confidences: list[float] = []  # per level: the share of its parents' probability it kept
-        states: dict[int, torch.Tensor] = {}  # a feature head: each node of the last level's output `[1, 1, hidden]`
-        depth = 0
+        hidden = None  # the last level's outputs `[1, w, hidden]` (a feature head's nodes read their parent's)
         # Every row a pass writes fits in the verify pass's room (the tree's node budget, plus the last token).
-        while len(ran) + (len(level) if depth else 0) <= self.tree_nodes and policy.draft_next(depth, coverage):
-            if not depth:
+        while (len(growth.ran) + (len(growth.level) if growth.depth else 0) <= self.tree_nodes
+               and policy.draft_next(growth.depth, coverage)):
+            if not growth.depth:
                 hidden = self.tree_inputs(runner, runner.embed([tokens[-1]], start), None)  # [1, 1, hidden]
                 hidden = runner.run(hidden, layers, start)
             else:
-                first_row = len(ran) + 1
-                ran += level
-                grown = TokenTree(tuple(proposals[i][2] for i in ran),
-                                  tuple(-1 if proposals[i][1] < 0 else ran.index(proposals[i][1]) for i in ran))
-                hidden = runner.embed([proposals[i][2] for i in level], start, grown, first_row)  # [1, w, hidden]
-                parents = [states[proposals[i][1]] for i in level] if self.features is not None else None
+                parents = hidden[:, growth.parent_slots] if self.features is not None else None  # [1, w, hidden]
+                grown, first_row, level_tokens = growth.run_level()
+                hidden = runner.embed(level_tokens, start, grown, first_row)  # [1, w, hidden]
                 hidden = runner.run(self.tree_inputs(runner, hidden, parents), layers, start, grown,
                                     first_row=first_row)
-            states = {node: hidden[:, j : j + 1] for j, node in enumerate(level)}
             logits = runner.logits(hidden, self.vocab)  # [w, vocab]
             if scorer.processors:  # each row conditioned on its own path
-                contexts = [tokens + _lineage(proposals, node) for node in level]
+                contexts = [tokens + growth.lineage(node) for node in growth.level]
                 logits = torch.cat([scorer.scores(logits[j : j + 1], c, len(c)) for j, c in enumerate(contexts)])
-            top_p, top_tokens = torch.softmax(logits.float(), dim=-1).topk(LAYER_BRANCHES)  # [w, b]
-            reach = [1.0 if node < 0 else proposals[node][0] for node in level]
-            children = []
-            for j, node in enumerate(level):
-                for p, token in zip(top_p[j].tolist(), top_tokens[j].tolist()):
-                    children.append(len(proposals))
-                    proposals.append((reach[j] * p, node, token, depth + 1))
-            level = sorted(children, key=lambda c: -proposals[c][0])[:LAYER_BRANCHES]
-            coverage = sum(proposals[c][0] for c in level) / sum(reach)
+            coverage = growth.expand(logits)
             confidences.append(coverage)
-            depth += 1
         runner.cache.crop(start + 1, layers=layers)  # the verify pass writes the rest (a head: `fill_head`)
-        if not proposals:
+        if not growth.proposals:
             return Draft([], None, [])
-        best = max(range(len(proposals)), key=lambda c: (proposals[c][3], proposals[c][0]))  # deepest, likeliest
-        nodes = max(depth, policy.tree_nodes(depth, self.tree_nodes, exact_prefix=self.exact_prefix))
-        chosen = sorted(range(len(proposals)), key=lambda c: (-proposals[c][0], c))[:nodes]
-        paths = [_lineage(proposals, best)] + [_lineage(proposals, c) for c in chosen if c != best]
-        tree = TokenTree.from_paths(paths, max_nodes=nodes)  # verified as a tree even when it is a chain
-        child = {(parent, token): c for c, (_, parent, token, _) in enumerate(proposals)}
-        source: list[int] = []  # node i's proposal: its parent's proposal's child with its token
-        for token, parent in zip(tree.tokens, tree.parents):
-            source.append(child[(source[parent] if parent >= 0 else -1, token)])
-        path_probs = tuple(proposals[c][0] for c in source)
-        return Draft(paths[0], None, [], confidences=confidences, tree=tree, path_probs=path_probs)
+        depth = growth.depth
+        tree, path_probs = growth.tree(max(depth, policy.tree_nodes(depth, self.tree_nodes,
+                                                                    exact_prefix=self.exact_prefix)))
+        # Verified as a tree even when it is a chain.
+        return Draft(tree.path_tokens(list(range(depth))), None, [], confidences=confidences, tree=tree,
+                     path_probs=path_probs)
 
     def recycled_draft(self, tokens: list[int], policy, base: Draft | None, successors: SuccessorTable) -> Draft | None:
         """`base` (an n-gram proposal, or None) grown with recycled nodes, as many as `policy` finds worth a
@@ -328,16 +308,14 @@ class Drafter:
         hidden = runner.run(hidden, self.other_layers, position)
         return runner.logits(hidden, self.vocab)
 
-    def tree_inputs(self, runner: LayerRunner, embeds: torch.Tensor, parents: list[torch.Tensor] | None):
+    def tree_inputs(self, runner: LayerRunner, embeds: torch.Tensor, parents: torch.Tensor | None):
         """A tree level's input `[1, w, hidden]`: the embeddings, joined for a feature head with each node's
-        parent's output (`parents`, `[1, 1, hidden]` each; None for the root: the target's f)."""
+        parent's output (`parents` `[1, w, hidden]`; None for the root: the target's f)."""
         if self.features is None:
             return embeds
         if parents is None:
-            before = runner.head_feature if runner.head_feature is not None else torch.zeros_like(embeds)
-        else:
-            before = torch.cat(parents, dim=1)
-        return self.features.inputs(embeds, before)
+            parents = runner.head_feature if runner.head_feature is not None else torch.zeros_like(embeds)
+        return self.features.inputs(embeds, parents)
 
     def feature_step(self, runner: LayerRunner, ids, position: int) -> torch.Tensor:
         """A feature head's draft step: (the state before `position`, the token's embedding) through the head.
@@ -352,12 +330,3 @@ class Drafter:
         hidden = runner.run(self.features.inputs(embeds, before), self.other_layers, position)  # [1, 1, hidden]
         runner.draft_feature = hidden
         return runner.logits(hidden, self.vocab)
-
-
-def _lineage(proposals: list[tuple[float, int, int, int]], node: int) -> list[int]:
-    """The tokens on the path from the root down to proposal `node` (empty for -1, the last token)."""
-    path = []
-    while node >= 0:
-        path.append(proposals[node][2])
-        node = proposals[node][1]
-    return path[::-1]

@@ -119,6 +119,87 @@ class TokenTree:
         return path[::-1]
 
 
+class LayerTreeGrowth:
+    """A layer draft's tree as it grows (EAGLE-2's expansion), one level a draft pass; one sequence's or a batch row's.
+
+    Each proposal is (the draft's probability of the path to it, its parent
+    proposal or -1 for the last token, its token, its depth). A level is the
+    `branches` likeliest proposals not run yet; each pass runs the level's
+    nodes (`run_level`), and `expand` gives each of them its `branches`
+    likeliest next tokens. `tree` picks the nodes a round verifies.
+    """
+
+    def __init__(self, branches: int) -> None:
+        self.branches = branches
+        self.proposals: list[tuple[float, int, int, int]] = []
+        self.ran: list[int] = []  # the proposals the passes ran, in their tree rows (1..; row 0 is the last token)
+        self.level: list[int] = [-1]  # the proposals the next pass runs (-1: the last token)
+        self.parent_slots: list[int] = [0]  # per level node: its parent's place in the level before
+
+    @property
+    def depth(self) -> int:
+        """Levels expanded so far."""
+        return self.proposals[-1][3] if self.proposals else 0
+
+    def lineage(self, node: int) -> list[int]:
+        """The tokens on the path from the root down to proposal `node` (empty for -1, the last token)."""
+        path = []
+        while node >= 0:
+            path.append(self.proposals[node][2])
+            node = self.proposals[node][1]
+        return path[::-1]
+
+    def run_level(self) -> tuple[TokenTree, int, list[int]]:
+        """The next level joins the rows run: (the tree of every row run, the level's first row, its tokens)."""
+        first_row = len(self.ran) + 1
+        self.ran += self.level
+        at = {node: row for row, node in enumerate(self.ran)}
+        grown = TokenTree(tuple(self.proposals[i][2] for i in self.ran),
+                          tuple(-1 if self.proposals[i][1] < 0 else at[self.proposals[i][1]] for i in self.ran))
+        return grown, first_row, [self.proposals[i][2] for i in self.level]
+
+    def expand(self, logits: torch.Tensor) -> float:
+        """The level's draft logits `[w, vocab]` (row j: after level node j): each node's likeliest next tokens
+        become proposals, the likeliest `branches` of them the next level. Returns the share of the level's
+        probability the next level keeps."""
+        top_p, top_tokens = torch.softmax(logits.float(), dim=-1).topk(self.branches)  # [w, b]
+        reach = [1.0 if node < 0 else self.proposals[node][0] for node in self.level]
+        depth = self.depth + 1
+        children, slots = [], {}
+        for j, node in enumerate(self.level):
+            for p, token in zip(top_p[j].tolist(), top_tokens[j].tolist()):
+                slots[len(self.proposals)] = j
+                children.append(len(self.proposals))
+                self.proposals.append((reach[j] * p, node, token, depth))
+        self.level = sorted(children, key=lambda c: -self.proposals[c][0])[: self.branches]
+        self.parent_slots = [slots[c] for c in self.level]
+        return sum(self.proposals[c][0] for c in self.level) / sum(reach)
+
+    def best_path(self, max_depth: int | None = None) -> list[int]:
+        """The proposals on the likeliest path among the deepest (at most `max_depth` deep), root first."""
+        candidates = [c for c, item in enumerate(self.proposals) if max_depth is None or item[3] <= max_depth]
+        if not candidates:
+            return []
+        node = max(candidates, key=lambda c: (self.proposals[c][3], self.proposals[c][0]))
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.proposals[node][1]
+        return path[::-1]
+
+    def tree(self, nodes: int, max_depth: int | None = None) -> tuple[TokenTree, tuple[float, ...]]:
+        """The `nodes` likeliest proposals (at most `max_depth` deep), the likeliest deepest path first, as a
+        tree, and per node its path probability. A parent is likelier than its child, so any first m nodes
+        form a tree too."""
+        best = self.best_path(max_depth)
+        chosen = sorted((c for c, item in enumerate(self.proposals) if max_depth is None or item[3] <= max_depth),
+                        key=lambda c: (-self.proposals[c][0], c))[:nodes]
+        order = best + [c for c in chosen if c not in set(best)]
+        tree = TokenTree.from_paths([self.lineage(best[-1])] + [self.lineage(c) for c in order[len(best):]],
+                                    max_nodes=max(nodes, len(best)))
+        return tree, tuple(self.proposals[c][0] for c in order[: len(tree)])
+
+
 def accept_tree_greedy(tree: TokenTree, target_scores: torch.Tensor) -> tuple[list[int], int]:
     """The longest path the target agrees with (node indices) and the target's next token after it.
 

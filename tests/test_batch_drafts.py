@@ -9,6 +9,9 @@
   the head's cache row holds the target's entries for every kept token.
 - Rows that join and leave mid-session keep drafting and stay exact.
 - The measured batch table prices a draft step over the rows.
+- Layer trees (layers, exit and feature heads): a row's tree drafted in the
+  batch's passes is the one its sequence drafts alone, and every architecture
+  stays exact.
 Sampling over batches with layer drafts and heads is tested in `test_sampling.py`.
 """
 
@@ -118,3 +121,72 @@ def test_the_measured_batch_table_prices_a_draft_step(tmp_path, monkeypatch):
     assert 0 < table.draft_step < table.verify[-1] and table.draft_long >= 0
     plain = selfspec.wrap(tiny_model("llama", torch.float32), plan=selfspec.DraftPlan(ngram=2, draft_length=4))
     assert batch_costs(plain, 2, True).table.draft_step == 0.0  # an n-gram plan drafts no layers
+
+
+TREE_PLANS = {
+    "layers": lambda paths: selfspec.DraftPlan(layers=(0, 2, 5), tree=10, draft_length=3, policy="fixed"),
+    "exit head": lambda paths: selfspec.DraftPlan(exit_layer=2, head=str(paths["head"]), tree=8, draft_length=3,
+                                                  policy="fixed"),
+    "feature head": lambda paths: selfspec.DraftPlan(head=str(paths["features"]), tree=10, draft_length=3,
+                                                     policy="fixed"),
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gpt2", "qwen3"])
+def test_a_batch_rows_layer_tree_is_the_one_its_sequence_drafts_alone(arch, tmp_path):
+    """Each row of a batch grows its layer tree in passes over every row's level (`LayerRows.trees`): its nodes,
+    their parents and path probabilities must be those `Drafter.layer_tree` drafts for that sequence alone (so
+    each level's rows sat at their depths and saw their ancestors and nothing else, a feature head's node read
+    its own parent's output), its first path the likeliest deepest one."""
+    class Levels:  # one sequence's policy: as many levels as the batch drafts, the plan's node budget
+        def __init__(self, depth):
+            self.depth = depth
+
+        def draft_next(self, depth, coverage):
+            return depth < self.depth
+
+        def tree_nodes(self, chain, max_nodes, *, exact_prefix=0):
+            return max_nodes
+
+    model = tiny_model(arch, torch.float64)
+    paths = {"head": make_head(model, tmp_path / "head", exit_layer=2, noise=0.05),
+             "features": make_feature_head(model, tmp_path / "features", noise=0.05)}
+    prompts = [repetitive(14, seed=3), repetitive(6, seed=4)]
+    for name, plan in TREE_PLANS.items():
+        spec = selfspec.wrap(model, plan=plan(paths))
+        session = spec.batch_session()
+        rows = [session.add(prompt, max_new_tokens=10, do_sample=False) for prompt in prompts]
+        batch = session._round()
+        with torch.no_grad():
+            session.layers.propose(batch)
+        assert batch.layer_steps == 3
+        for row, draft in zip(rows, batch.drafts):
+            tokens = row.out.tokens
+            runner = spec.runner_for(len(tokens) + 16, keep=False)
+            with torch.no_grad():
+                spec.passes.prefill(runner, tokens[:-1])
+                alone = spec.drafter.layer_tree(runner, row.scorer, tokens, Levels(3))
+            where = f"{arch}, {name}"
+            assert draft.grown == alone.tree and draft.tokens == alone.tokens, where
+            probs = [p for p, _ in zip(alone.path_probs[len(draft.tokens):], draft.values)]
+            assert max(abs(a - b) for a, b in zip(probs, draft.values)) < 1e-9, where
+            assert len(draft.values) == len(draft.grown) - 3 and len(draft.odds) == 3, where
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_layer_trees_in_a_batch_equal_each_prompt_alone(arch, tmp_path):
+    """Rows draft layer trees together (layers, an exit head, a feature head; fixed plans and the cost policy on
+    a flat profile, where a wider pass costs what a narrow one does), verify them in one pass, and each row
+    equals `model.generate` on its prompt alone."""
+    model = tiny_model(arch, torch.float64)
+    paths = {"head": make_head(model, tmp_path / "head", exit_layer=2, noise=0.05),
+             "features": make_feature_head(model, tmp_path / "features", noise=0.05)}
+    prompts = [repetitive(14, seed=3), repetitive(6, seed=4), repetitive(3, seed=5)]
+    plans = [plan(paths) for plan in TREE_PLANS.values()]
+    plans.append(selfspec.DraftPlan(layers=(0, 2, 5), ngram=2, tree=10, draft_length=4))
+    layer_trees = 0
+    for i, plan in enumerate(plans):
+        spec = selfspec.wrap(model, plan=plan, costs="flat" if plan.policy == "cost" else None)
+        assert_rows_alone(model, spec, prompts, max_new_tokens=(17, 26)[i % 2])
+        layer_trees += sum(stats.layer_tree_rounds for stats in spec.last_stats.row_stats)
+    assert layer_trees > 20, layer_trees

@@ -45,14 +45,14 @@ c = ln(2 V / DELTA), so each check falsely fails with probability at most
 DELTA = 1e-7, whatever the number of cells. A cell with p_i = 0 that is ever
 observed gives KL = inf: an impossible token fails the check outright.
 
-This file runs CHECKS_IN_FILE = 248 such checks on samples whose law is the
+This file runs CHECKS_IN_FILE = 264 such checks on samples whose law is the
 reference law (test 1: 6 pairs for each of the two implementations of the
 rule, the host one and the device one of the static step, + 4 Markov-chain
 checks + 1 token-tree check + 7 checks that the wrong-rule harnesses produce
 the wrong rules' own exact laws; test 2: 13 cases x 8, three of them on the
-static step; + 16 checks of a batch's two rows for each of 4 batch plans, for
+static step; + 16 checks of a batch's two rows for each of 5 batch plans (one of them layer trees), for
 batched n-gram trees and for batched recycled trees), so over random seeds the whole file would falsely
-fail with probability at most 248 * 1e-7 = 2.5e-5. All seeds are fixed, so the outcome is
+fail with probability at most 264 * 1e-7 = 2.6e-5. All seeds are fixed, so the outcome is
 deterministic anyway.
 
 Power (a wrong sampler must fail): in test 1 a wrong rule is only run on
@@ -92,7 +92,7 @@ from selfspec.testing import make_feature_head, make_head, make_vocab
 from selfspec.tree import TokenTree, accept_tree_sampling, accept_tree_sampling_on_device
 
 DELTA = 1e-7  # false-failure probability bound of one `assert_distribution` check
-CHECKS_IN_FILE = 248  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
+CHECKS_IN_FILE = 264  # checks on correct samplers; total false-failure bound CHECKS_IN_FILE * DELTA
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -664,6 +664,12 @@ BATCH_CASES = {
     "feature head for every row, k=3, T=1": (
         lambda a: selfspec.DraftPlan(policy="fixed", head=a["features"], draft_length=3),
         None, dict(temperature=1.0), LogitsProcessorList([])),
+    # Every row grows a layer tree, one pass over all rows' levels (`batch_draft.LayerRows.trees`); each node reads
+    # its parent's head output.
+    "feature head drafts a tree for every row (<= 6 nodes), k=3, T=0.8, top_p=0.9": (
+        lambda a: selfspec.DraftPlan(policy="fixed", head=a["features"], tree=6, draft_length=3),
+        None, dict(temperature=0.8, top_p=0.9),
+        LogitsProcessorList([TemperatureLogitsWarper(0.8), TopPLogitsWarper(0.9)])),
 }
 
 
@@ -677,6 +683,8 @@ def test_batched_sampling_keeps_each_rows_law(model, artifacts, case):
     spec = selfspec.wrap(model, plan=plan, costs=costs)
     counts, totals = batch_run_many(spec, N_E2E, seed=17, prompts=prompts, **sampling)
     assert totals["drafted"] > 0 and 0 < totals["accepted"] < totals["drafted"] and totals["recovered"] > 0, totals
+    if "tree" in case:
+        assert totals["tree_rounds"] > 0 and totals["tree_accepted"] > 0, totals
     for row, (prompt, row_counts) in enumerate(zip(prompts, counts)):
         assert_joint_matches(row_counts, exact_joint(model, warpers, NEW, prompt), f"{case}: batch row {row}")
 
