@@ -4,20 +4,20 @@ A `BatchSession` holds the sequences that decode together (`BatchRow`): a
 row joins with `add` and leaves when done; `step` runs a round for all rows:
 
 1. draft: each row's proposal from the plan's sources (`batch_draft.py`):
-   its n-gram copy (grown with recycled nodes), else a recycled tree, else
-   the plan's layers, all rows in one draft pass a token;
+   an n-gram copy (grown with recycled nodes), else a recycled tree, else
+   the plan's layers (a chain or a tree), all rows in each draft pass;
 2. choose: one verify width, by expected tokens per second;
-3. verify: one pass of the full model over `[rows, width]`, padded; with the
-   plan's `tree`, a row whose chain is shorter than the width verifies its
-   recycled nodes or other n-gram continuations in that room, as a tree;
+3. verify: one pass of the full model over `[rows, width]`, padded; a row
+   whose draft is shorter than the width may fill that room with a tree;
+   where every row drafted a layer chain, the pass resumes after the
+   draft's exact prefix;
 4. accept: per row, the greedy or the rejection rule (a tree's for a tree);
 5. roll back: each row's length moves to what it kept (a tree's kept path
    is moved into place first);
 6. emit, record (every source learns), drop the rows that finished.
 
 Greedy rows equal `model.generate` alone; sampling rows keep their law.
-Not in a batch: layer trees, the static step and CUDA graphs, a verify pass
-resuming after the exact prefix.
+Not in a batch: the static step and CUDA graphs.
 """
 
 from __future__ import annotations
@@ -215,12 +215,15 @@ class BatchSession:
                for row, d in zip(self.rows, nodes)]
         features = isinstance(self.head, FeatureHead)
         before = torch.cat([row.feature for row in self.rows]) if features else None  # [n, 1, hidden]
+        # Every row drafted a layer chain (or nothing): the pass resumes after the draft's exact prefix.
+        resume = batch.exact_prefix if k and batch.boundary and not any(trees) else 0
         logits = self.runner.forward_rows(torch.tensor(ids, device=self.runner.positions.device), batch.starts,
                                           slice(0, n), head=self.head, before=before,
-                                          trees=trees if any(trees) else None)  # [n, width, vocab]
+                                          trees=trees if any(trees) else None, exact_prefix=resume,
+                                          boundary=batch.boundary)  # [n, width, vocab]
         verify_seconds = clock.lap()
         if batch.costs is not None:
-            batch.costs.observe_verify(width, 0, verify_seconds)
+            batch.costs.observe_verify(width, resume, verify_seconds)
             batch.costs.observe_draft(batch.layer_steps, draft_seconds)
             self.last_table = batch.costs.table
         finished = []
@@ -266,6 +269,7 @@ class BatchSession:
         self.stats.rounds += 1
         self.stats.row_passes += n
         self.stats.draft_passes += batch.layer_steps
+        self.stats.resumed_passes += bool(resume)
         self._finish(finished)
         return finished
 

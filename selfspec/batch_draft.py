@@ -2,19 +2,20 @@
 
 A draft source (`DraftSource`) proposes tokens for the rows it serves and
 learns from what the verify pass kept. `NgramRows`: each row's prompt lookup
-over its own tokens, free. `LayerRows`: the plan's layers (an exit head, a
+over its own tokens, free. `RecycledRows`: each row's recorded next tokens
+grown into a tree, free. `LayerRows`: the plan's layers (an exit head, a
 draft vocabulary) for every row at once, one `[rows, 1]` draft pass per
-drafted token. `RecycledRows`: each row's recorded next tokens grown into a
-tree, free. A row takes its n-gram proposal when it has one (recycled nodes
-may grow it), else the layers', else a recycled tree.
+drafted token, or with the plan's `tree` one pass per tree level. A row
+takes its n-gram proposal when it has one (recycled nodes may grow it),
+else a recycled tree, else the layers'.
 
 The batch verifies one width for every row. `DraftRound.length` picks the
 common cut k that maximises the batch's expected emitted tokens per second:
 each row's chance of reaching its j-th token (learned acceptance, a layer
 token's by its position and confidence), over the draft time spent and to
-come plus a verify pass over (rows, k + 1). Layers draft one step at a time
-while some longer cut beats stopping. Every choice uses what is known before
-the verify pass, so sampling keeps its distribution.
+come plus a verify pass over (rows, k + 1). Layers draft while some longer
+cut beats stopping. Every choice uses what is known before the verify pass,
+so sampling keeps its distribution.
 
 This module does not verify, accept or emit (`batch.py`).
 """
@@ -38,6 +39,7 @@ from .head import ExitHead
 from .ngram import NgramIndex, agreement
 from .output import Output
 from .costs import RuntimeCosts
+from .plan import exact_prefix_of
 from .policy import TREE_SLACK, AcceptanceEstimates, DepthCalibration
 from .recycle import SuccessorTable
 from .scoring import Scorer
@@ -131,6 +133,10 @@ class DraftRound:
     drafts: list[RowDraft] = field(default_factory=list)
     layer_steps: int = 0  # layer draft passes run this round
     costs: RuntimeCosts | None = None  # fetched by the first decision that needs them
+    # Where every row drafted a layer chain or nothing: the layers the verify pass resumes after (the draft's exact
+    # prefix, `LayerRows.exact_prefix`), and per draft step the rows' states after them `[rows, 1, hidden]`.
+    exact_prefix: int = 0
+    boundary: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.drafts = [RowDraft() for _ in self.rows]
@@ -165,7 +171,7 @@ class DraftRound:
                     extra += reach[i]
                 elif k - len(row_odds) <= len(gains[i]):
                     extra += gains[i][k - len(row_odds) - 1]
-            seconds = spent + max(0, k - self.layer_steps) * step + costs.verify(k + 1)
+            seconds = spent + max(0, k - self.layer_steps) * step + costs.verify(k + 1, self.exact_prefix)
             rate = (rows + self.scale * extra) / seconds
             if rate > best_rate * (1 + 1e-9):
                 best_k, best_extra, best_rate = k, extra, rate
@@ -259,6 +265,8 @@ class LayerRows:
         self.vocab = vocab
         self.threshold = threshold  # a fixed plan's `adaptive` confidence threshold (None: draft the full length)
         self.tree = tree  # the plan's node budget for a layer tree (0: chains only)
+        # Layers 0..s-1 of a chain's draft compute what the target computes: a verify pass may resume after them.
+        self.exact_prefix = 0 if isinstance(head, FeatureHead) else exact_prefix_of(layers)
         self.calibration = DepthCalibration()  # what a layer tree's branch nodes earned, by depth
         self.runner: BatchRunner | None = None  # the session's, set before each round
 
@@ -287,8 +295,11 @@ class LayerRows:
 
     def chains(self, batch: DraftRound, serve: list[int], features: FeatureHead | None,
                before: torch.Tensor | None) -> None:
-        """Every row one token a pass, while `go_on` says."""
+        """Every row one token a pass, while `go_on` says. Where no row took another source, the verify pass
+        will resume after the exact prefix (`DraftRound.exact_prefix`), and is priced so."""
         rows = batch.rows
+        if all(draft.source in ("", "layers") for draft in batch.drafts):
+            batch.exact_prefix = self.exact_prefix
         inputs = [row.out.tokens[-1] for row in rows]
         device = self.runner.positions.device
         longest = max(batch.budgets[i] for i in serve)
@@ -298,6 +309,8 @@ class LayerRows:
                                             [s + j for s in batch.starts], slice(0, len(rows)), self.layers,
                                             self.vocab, head=features, before=before)[:, 0]  # [rows, vocab]
             before = self.runner.drafted
+            if batch.exact_prefix:
+                batch.boundary.append(self.runner.boundary)  # [rows, 1, hidden]
             batch.layer_steps += 1
             for i in serve:
                 if j >= batch.budgets[i]:

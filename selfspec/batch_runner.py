@@ -22,6 +22,7 @@ from .costs import MEASURE_CONTEXT, PassCosts, fastest, interpolate, long_contex
 from .feature_head import FeatureHead
 from .head import ExitHead
 from .parts import ModelParts, soft_cap
+from .plan import exact_prefix_of
 from .runner import LayerRunner
 from .tree import TokenTree, move_path
 from .vocab import DraftVocab
@@ -158,6 +159,7 @@ class BatchRunner(LayerRunner):
     cache_class = BatchedKVCache
     fused: torch.Tensor | None = None  # a feature head's fused states of the last full pass's rows `[r, q, hidden]`
     drafted: torch.Tensor | None = None  # a feature head's outputs of the last draft step `[r, 1, hidden]`
+    boundary: torch.Tensor | None = None  # the last draft step's states after its exact prefix `[r, w, hidden]`
 
     def grow(self, capacity: int) -> None:
         """Room for `capacity` positions per row: the cache and the rotary tables."""
@@ -224,7 +226,8 @@ class BatchRunner(LayerRunner):
 
     def forward_rows(self, ids: torch.Tensor, starts: list[int], rows: slice, *, last: bool = False,
                      head: ExitHead | FeatureHead | None = None, before: torch.Tensor | None = None,
-                     trees: list[TokenTree | None] | None = None) -> torch.Tensor:
+                     trees: list[TokenTree | None] | None = None, exact_prefix: int = 0,
+                     boundary: list[torch.Tensor] = ()) -> torch.Tensor:
         """Float32 logits `[r, q, vocab]` of the full model over `ids` `[r, q]`; row j's tokens at starts[j]..
 
         Each row must hold exactly `starts[j]` valid entries; after the pass it
@@ -234,15 +237,29 @@ class BatchRunner(LayerRunner):
         exit `head` (layer N), the head is run on the states after its exit
         layer, so its entries cover every token the pass wrote. `trees`: see
         `begin_pass`; a feature head's node reads its parent's fused state.
+
+        `exact_prefix` s > 0: layers 0..s-1 already ran for the first inputs (a
+        layer chain's draft steps wrote their entries), and `boundary` holds
+        the states after them, `[r, 1, hidden]` per input; the pass runs them
+        only for the inputs past those, and every other layer for all.
         """
-        step = self.begin_pass(starts, ids.shape[1], rows, trees)
-        hidden = self.embed_rows(ids, step)  # [r, q, hidden]
+        q = ids.shape[1]
         first = 0
+        if exact_prefix:
+            known = list(boundary[:q])
+            if len(known) < q:  # the inputs the draft did not run yet
+                tail = self.begin_pass([start + len(known) for start in starts], q - len(known), rows)
+                known.append(self.run_rows(self.embed_rows(ids[:, len(known) :], tail), range(exact_prefix), tail))
+            step = self.begin_pass(starts, q, rows)
+            hidden, first = torch.cat(known, dim=1), exact_prefix  # [r, q, hidden]
+        else:
+            step = self.begin_pass(starts, q, rows, trees)
+            hidden = self.embed_rows(ids, step)  # [r, q, hidden]
         if isinstance(head, FeatureHead):
             hidden = self.run_feature_rows(hidden, head, step, before, trees)
             first = head.reads[-1] + 1
         elif head is not None:
-            hidden = self.run_rows(hidden, range(head.exit_layer), step)
+            hidden = self.run_rows(hidden, range(first, head.exit_layer), step)
             self.run_rows(hidden, [head.slot], step)
             first = head.exit_layer
         hidden = self.run_rows(hidden, range(first, self.parts.num_layers), step)
@@ -274,7 +291,10 @@ class BatchRunner(LayerRunner):
         if head is not None:
             hidden = self.drafted = self.run_rows(head.inputs(hidden, _or_zeros(before, hidden)), [head.slot], step)
         else:
-            hidden = self.run_rows(hidden, layers, step)  # [r, w, hidden]
+            s = exact_prefix_of(layers)
+            if s:  # the states after layers 0..s-1, which compute what the target computes (a verify resumes there)
+                self.boundary = hidden = self.run_rows(hidden, layers[:s], step)
+            hidden = self.run_rows(hidden, layers[s:], step)  # [r, w, hidden]
         return self.logits(hidden.reshape(1, r * w, -1), vocab).view(r, w, -1)  # [r, w, vocab]
 
     def run_feature_rows(self, hidden: torch.Tensor, head: FeatureHead, step: RowPass, before: torch.Tensor | None,

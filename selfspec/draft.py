@@ -30,7 +30,7 @@ import torch
 from .feature_head import FeatureHead
 from .head import ExitHead
 from .ngram import NgramIndex, agreement
-from .plan import DraftPlan
+from .plan import DraftPlan, exact_prefix_of
 from .recycle import SuccessorTable
 from .runner import LayerRunner
 from .scoring import Scorer
@@ -91,7 +91,7 @@ class Drafter:
         """Draft with `layers` (increasing) from the next round on (auto plans, `auto_layers.py`)."""
         self.has_layers = bool(layers)
         self.draft_layers = tuple(layers)
-        self.exact_prefix = next((s for s, i in enumerate(layers) if i != s), len(layers))  # s
+        self.exact_prefix = exact_prefix_of(layers)  # s
         self.prefix_layers = range(self.exact_prefix)
         self.other_layers = self.draft_layers[self.exact_prefix :]
 

@@ -398,3 +398,8 @@ def _check_int(name: str, value: Any, low: int, high: int | None) -> None:
 def _check_unit_interval(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
         raise ValueError(f"{name}={value!r} out of range (valid: 0.0..1.0)")
+
+
+def exact_prefix_of(layers) -> int:
+    """s: a draft's layers start with 0..s-1, which compute what the target computes (its exact prefix)."""
+    return next((s for s, i in enumerate(layers) if i != s), len(layers))

@@ -197,6 +197,7 @@ class BatchStats:
     rounds: int = 0  # batched rounds
     row_passes: int = 0  # the sum over passes of the rows in each
     draft_passes: int = 0  # layer draft passes, each one drafted token for every row
+    resumed_passes: int = 0  # rounds whose verify pass resumed after the layer draft's exact prefix
     streamed_bytes: int = 0  # offloaded layers' bytes selfspec read into its slots (`streaming.py`)
     total_seconds: float = 0.0
     costs: str = ""  # the batched cost table of the last round

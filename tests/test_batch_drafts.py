@@ -22,7 +22,7 @@ import torch
 
 import selfspec
 from selfspec.batch_generate import batch_costs
-from selfspec.testing import TINY_CONFIGS, make_feature_head, make_head, make_vocab, tiny_model
+from selfspec.testing import TINY_CONFIGS, make_feature_head, make_head, make_vocab, random_prompt, tiny_model
 from test_batch import alone, assert_rows_alone, repetitive
 
 ARCHS = sorted(TINY_CONFIGS)
@@ -190,3 +190,40 @@ def test_layer_trees_in_a_batch_equal_each_prompt_alone(arch, tmp_path):
         assert_rows_alone(model, spec, prompts, max_new_tokens=(17, 26)[i % 2])
         layer_trees += sum(stats.layer_tree_rounds for stats in spec.last_stats.row_stats)
     assert layer_trees > 20, layer_trees
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_batch_verify_resumes_after_the_exact_prefix(arch, tmp_path, monkeypatch):
+    """Where every row drafted a layer chain (or nothing), the verify pass resumes after the draft's exact prefix:
+    the prefix's entries and the states after it are the draft steps' own (for the last drafted token, a pass
+    of the prefix alone). Rows stay exact; rounds with an n-gram row run every layer."""
+    from selfspec.batch_runner import BatchRunner
+
+    passes = []  # (width, the layers the pass resumed after) of every verify pass
+    forward_rows = BatchRunner.forward_rows
+
+    def spy(self, ids, *args, **kwargs):
+        if "exact_prefix" in kwargs:  # a round's verify pass (not a prefill, nor a timed pass of the cost table)
+            passes.append((ids.shape[1], kwargs["exact_prefix"]))
+        return forward_rows(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(BatchRunner, "forward_rows", spy)
+    model = tiny_model(arch, torch.float64)
+    head = make_head(model, tmp_path / "head", exit_layer=2, noise=0.05)
+    prompts = [random_prompt(n, seed=n)[0].tolist() for n in (14, 6, 3)]
+    copies = [repetitive(n, seed=n) for n in (14, 6, 3)]  # some row always has an n-gram copy
+    cases = [(2, selfspec.DraftPlan(exit_layer=2, head=str(head), draft_length=4, policy="fixed"), prompts),
+             (3, selfspec.DraftPlan(layers=(0, 1, 2, 4), draft_length=3, policy="fixed"), prompts),
+             (4, selfspec.DraftPlan(layers=(0, 1, 2, 3), draft_length=3, policy="fixed"), prompts),  # an early exit
+             (1, selfspec.DraftPlan(layers=(0, 2, 5), draft_length=3), prompts),  # the cost policy, priced so
+             (None, selfspec.DraftPlan(layers=(0, 2, 5), ngram=2, draft_length=3, policy="fixed"), copies)]
+    for i, (prefix, plan, rows) in enumerate(cases):
+        passes.clear()
+        spec = selfspec.wrap(model, plan=plan, costs="flat" if plan.policy == "cost" else None)
+        assert_rows_alone(model, spec, rows, max_new_tokens=(17, 26)[i % 2])
+        wide = [resumed for width, resumed in passes if width > 1]
+        if prefix is None:  # rounds with a copy run every layer; those without resume after layer 0
+            assert 0 in wide and set(wide) <= {0, 1}, (plan, passes)
+        else:
+            assert set(wide) == {prefix}, (plan, passes)
+        assert spec.last_stats.resumed_passes == sum(r > 0 for r in wide), (plan, passes)
