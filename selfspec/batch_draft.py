@@ -2,8 +2,8 @@
 
 A draft source (`DraftSource`) proposes tokens for the rows it serves and
 learns from what the verify pass kept. `NgramRows`: each row's prompt lookup
-over its own tokens, free. `RecycledRows`: each row's recorded next tokens
-grown into a tree, free. `LayerRows`: the plan's layers (an exit head, a
+over its own tokens, free. `RecycledRows`: a row's recorded next tokens
+grown into a tree, free. `LayerRows`: the plan's layers (a head, a
 draft vocabulary) for every row at once, one `[rows, 1]` draft pass per
 drafted token, or with the plan's `tree` one pass per tree level. A row
 takes its n-gram proposal when it has one (recycled nodes may grow it),
