@@ -126,8 +126,20 @@ def _plain_llama(layer) -> bool:
                  and all(type(n) is llama.LlamaRMSNorm for n in (layer.input_layernorm, layer.post_attention_layernorm))
                  and all(type(m) is nn.Linear for m in linears))
         modules = _PLAIN[layer] = tuple(layer.modules()) if plain else ()
-    hooked = any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in modules)  # accelerate's
+    hooked = any(_live_hooks(m) or hasattr(m, "_hf_hook") for m in modules)  # `_hf_hook`: accelerate's
     return bool(modules) and not (_global_hooks() or hooked)
+
+
+# transformers installs these on a model's layers the first time it is asked for hidden states or attentions, and
+# leaves them there; they record only inside that model's own forward call (its collector), never in selfspec's.
+_CAPTURING = "transformers.utils.output_capturing"
+
+
+def _live_hooks(module: nn.Module) -> bool:
+    """Whether `module` has a forward hook that could act on selfspec's call: any but transformers' output
+    capturing hooks."""
+    hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
+    return any(getattr(hook, "__module__", None) != _CAPTURING for hook in hooks)
 
 
 def _global_hooks() -> bool:

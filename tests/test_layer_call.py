@@ -3,8 +3,9 @@
 - float32, bfloat16 and float64, on the runner's passes (a prefill, a one-token step, a masked chain, a
   token tree, a batch's rows): logits and every cache entry equal (`torch.equal`) those of the layer's own
   forward (`decoder_layer`), with selfspec's CPU kernels in both;
-- the direct path really runs for a plain Llama layer, and anything else (a hooked module, a layer in
-  training mode, another architecture) runs the layer's own forward;
+- the direct path really runs for a plain Llama layer, also after transformers left its output-capturing
+  hooks on it, and anything else (a hooked module, a layer in training mode, another architecture) runs
+  the layer's own forward;
 - the llama adapter uses it.
 """
 
@@ -97,6 +98,28 @@ def test_anything_but_a_plain_llama_layer_runs_its_own_forward(monkeypatch):
     parts.layers[0].eval()
     qwen = tiny_model("qwen3", torch.float32)
     assert not layer_call._plain_llama(qwen.model.layers[0])  # another architecture (its own call, in any case)
+
+
+def test_the_hooks_transformers_leaves_after_hidden_states_keep_the_direct_layer(monkeypatch):
+    """transformers leaves output-capturing hooks on a model's layers once it was asked for hidden states; they
+    record only inside its own forward, so selfspec's direct layer still runs, with the same output."""
+    import copy
+
+    model = copy.deepcopy(tiny_model("llama", torch.float32))  # the hooks stay: not on the shared tiny model
+    prompt = torch.tensor([[5, 9, 2, 7, 3, 8]])
+    spec = selfspec.wrap(model)
+    before = spec.generate(prompt, max_new_tokens=12)
+    with torch.no_grad():
+        states = model(prompt, output_hidden_states=True).hidden_states
+    assert len(states) == model.config.num_hidden_layers + 1
+    assert any(layer._forward_hooks for layer in spec.parts.layers)  # left there by transformers
+    seen = []
+    real = layer_call.decoder_layer
+    monkeypatch.setattr(layer_call, "decoder_layer", lambda layer, *a, **k: seen.append(layer) or real(layer, *a, **k))
+    assert torch.equal(spec.generate(prompt, max_new_tokens=12), before) and not seen
+    with torch.no_grad():  # and transformers' own capture still works after selfspec's calls
+        again = model(prompt, output_hidden_states=True).hidden_states
+    assert all(torch.equal(a, b) for a, b in zip(states, again))
 
 
 def test_greedy_generation_with_the_direct_layer_equals_generate():
