@@ -2,6 +2,7 @@
 
     python -m benchmarks.batch_plans                                  # the adapter plan with and without trees
     python -m benchmarks.batch_plans --rows 4 --repeats 3 --variants "chains=tree:0,recycle:false" plain
+    python -m benchmarks.batch_plans --offload-from 15 --variants "heads=head:H.json,draft_vocab:V.json" plain
 
 Each variant is the adapter's plan with fields replaced (`name=field:value,...`;
 `plain` alone: drafting off); "default" is the plan itself. Every repeat runs each variant on the same
@@ -21,6 +22,7 @@ import json
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,6 +30,7 @@ import torch
 
 import selfspec
 from selfspec.costs import cpu_capability, cpu_model
+from selfspec.offload import offload_layers
 
 from .workload import DEFAULT_DATA, build_workload, save_results
 
@@ -58,9 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", nargs="*", default=["chains=tree:0,recycle:false"])
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
     p.add_argument("--out", type=Path, default=Path("results"))
+    p.add_argument("--offload-from", type=int, default=None, metavar="N",
+                   help="layers N.. on disk behind accelerate's hooks, as `benchmarks.run`'s +offloadN")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer = selfspec.load(args.model, dtype=args.dtype, progress=False)
+    if args.offload_from is not None:
+        model = offload_layers(model, args.offload_from, folder=tempfile.mkdtemp(prefix="selfspec-offload-"))
     base = selfspec.wrap(model)
     specs = {"default": base}
     for text in args.variants:
@@ -71,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     header = {"command": "python -m benchmarks.batch_plans " + shlex.join(sys.argv[1:] if argv is None else argv),
               "cpu": cpu_model(), "capability": cpu_capability(), "threads": args.threads, "dtype": args.dtype,
               "torch": torch.__version__, "batches": f"{len(batches)} of {args.rows} rows",
+              "offloaded": f"layers {args.offload_from}.. on disk" if args.offload_from is not None else "none",
               **{f"plan {name}": spec.describe_plan() for name, spec in specs.items()}}
     print("\n".join(f"{k}: {v}" for k, v in header.items()), flush=True)
     results = {name: {"tok_s": [], "tokens_per_pass": [], "tree_rows": 0, "same": 0} for name in specs}

@@ -12,7 +12,9 @@ p(t_j) / (1 - the earlier siblings' p), and when all fail samples from p
 without their tokens: exact. `compact` moves the kept path's entries into
 place (O(accepted x layers) copies) and crops the rest.
 
-It does not run layers or choose what to draft.
+`LayerTreeGrowth` keeps a layer draft's tree as it grows, level by level,
+from the draft's probabilities (one sequence's and a batch row's alike). It
+does not run layers, nor decide how deep or wide a round drafts.
 """
 
 from __future__ import annotations
