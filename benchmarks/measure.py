@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from selfspec.memory import give_back_freed
+from selfspec.heap import give_back_freed
 
 from .methods import Method
 from .workload import Prompt

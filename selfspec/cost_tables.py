@@ -29,6 +29,7 @@ from .costs import (PassCosts, RuntimeCosts, cache_key, costs_cache_dir, load_co
 from .draft import Drafter
 from .head import ExitHead
 from .kernel_choice import KernelChoice
+from .heap import give_back_freed
 from .memory import parameter_bytes, tensor_bytes
 from .parts import ModelParts
 from .vocab import DraftVocab
@@ -88,7 +89,7 @@ class CostTables:
         folder = costs_cache_dir()
         timed = load_costs(folder, self.key()) if cached else None
         if timed is None or timed.max_width < max_width:
-            fresh = measure(draft=False)
+            fresh = trimmed(measure, draft=False)
             if timed is not None:  # the widths timed before stay as they were; the wider ones join in their shape
                 merged = timed.merged_into(fresh)
                 fresh = fresh if merged.max_width < max_width else dataclasses.replace(
@@ -103,7 +104,8 @@ class CostTables:
         passes = timed.up_to(max_width)
         if not self.draft_layers:
             return passes
-        draft = load_or_measure(folder, self.draft_key(), lambda: measure(draft=True), usable=lambda _: cached)
+        draft = load_or_measure(folder, self.draft_key(), lambda: trimmed(measure, draft=True),
+                                usable=lambda _: cached)
         if not cached:
             self._drop(folder, self.draft_key(refined=True))
         if refined:
@@ -150,11 +152,20 @@ class CostTables:
         if key not in self.batch:
             drafted = {"draft": draft} if draft_layers else {}
             table = load_or_measure(costs_cache_dir(), self.key(batch_rows=rows, batch_width=width, **drafted),
-                                    lambda: measure_batch_costs(self.parts, rows=rows, max_width=width,
-                                                                draft_layers=draft_layers, head=head, vocab=vocab))
+                                    lambda: trimmed(measure_batch_costs, self.parts, rows=rows, max_width=width,
+                                                    draft_layers=draft_layers, head=head, vocab=vocab))
             self.batch[key] = RuntimeCosts(table)
         runtime = self.batch[key]
         return runtime if learn else RuntimeCosts(runtime.table, learn=False)
+
+
+def trimmed(measure: Callable[..., PassCosts], *args, **kwargs) -> PassCosts:
+    """`measure(...)`, then the memory its scratch caches (up to a long context) held handed back to the system:
+    freed, it would otherwise stay in the process's heap for good (`heap.give_back_freed`)."""
+    try:
+        return measure(*args, **kwargs)
+    finally:
+        give_back_freed()
 
 
 def plan_costs(spec, *, refined: bool, cached: bool = True, repeats: int = 3) -> PassCosts:

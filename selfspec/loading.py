@@ -36,6 +36,7 @@ import torch
 import transformers
 from safetensors import SafetensorError
 
+from .heap import give_back_freed
 from .offload import Offload
 from .quant import check_quantize_options, quantize_model, quiet_torchao_import
 
@@ -286,6 +287,8 @@ def load(
                              "pick one")
         offload = Offload(device_map=device_map, max_memory=max_memory, offload_folder=offload_folder)
     model, tokenizer = _load_model(name_or_path, torch_dtype, device, cache_dir, progress, verify, offload)
+    if offload is not None:  # converting and placing held several times the budget, freed now: give it back
+        give_back_freed(device)
     if quantize is not None:
         quantize_model(model, quantize, dtype=torch_dtype, device=device)
     return model, tokenizer

@@ -10,15 +10,13 @@
 - Extras of a plan: an exit head's float layer, a draft vocabulary's K
   gathered LM-head rows (and their ids).
 
-This module counts bytes, can hand freed memory back to the system
-(`give_back_freed`) and bound the CPU kernel caches of a long-lived process
-(`bound_kernel_caches`); it does not allocate anything or know the decode loop.
+This module counts bytes and can bound the CPU kernel caches of a long-lived
+process (`bound_kernel_caches`); handing freed memory back is `heap.py`'s. It
+does not allocate anything or know the decode loop.
 """
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import os
 from dataclasses import dataclass
 
@@ -127,19 +125,6 @@ def memory_report(model: nn.Module, parts: ModelParts, *, context: int, head: nn
         offloaded_layers=offloaded,
         slot_bytes=parts.stream.slot_bytes() if parts.stream else 0,
     )
-
-
-def give_back_freed(device: torch.device | str = "cpu") -> None:
-    """Hand freed memory back to the system: glibc's `malloc_trim` on a CPU (freed tensors otherwise stay in
-    the process's heap), the caching allocator's cache on CUDA. Costs milliseconds; call it when idle."""
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
-        return
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim this way
-        pass
 
 
 def bound_kernel_caches(capacity: int = SERVER_KERNEL_CACHE) -> dict[str, str]:

@@ -12,7 +12,8 @@ import torch
 PROBE = textwrap.dedent("""
     import ctypes, sys
     import torch
-    from selfspec.memory import bound_kernel_caches, give_back_freed
+    from selfspec.heap import give_back_freed
+    from selfspec.memory import bound_kernel_caches
     if sys.argv[1] == "bounded":
         bound_kernel_caches(16)
     torch.set_num_threads(1)

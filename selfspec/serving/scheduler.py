@@ -26,7 +26,7 @@ import logging
 import threading
 from collections import deque
 
-from ..memory import give_back_freed
+from ..heap import give_back_freed
 from .generation import Engine, Failed, Job
 from .metrics import Metrics
 
