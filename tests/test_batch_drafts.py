@@ -9,6 +9,8 @@
   the head's cache row holds the target's entries for every kept token.
 - Rows that join and leave mid-session keep drafting and stay exact.
 - The measured batch table prices a draft step over the rows.
+- A verify pass resumed after a layer chain's exact prefix gives a full pass's
+  logits and cache entries; rounds resume where every row drafted layers.
 - Layer trees (layers, exit and feature heads): a row's tree drafted in the
   batch's passes is the one its sequence drafts alone, and every architecture
   stays exact.
@@ -227,3 +229,42 @@ def test_a_batch_verify_resumes_after_the_exact_prefix(arch, tmp_path, monkeypat
         else:
             assert set(wide) == {prefix}, (plan, passes)
         assert spec.last_stats.resumed_passes == sum(r > 0 for r in wide), (plan, passes)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gpt2", "phi3"])
+def test_a_resumed_verify_pass_computes_what_a_full_one_does(arch):
+    """float64: two rows draft 3 tokens through layers (0, 1, 2, 4) (exact prefix 3); the verify pass over the last
+    token and 2 or 3 of them, resumed after layer 2 from the draft steps' states (and, for the last input, a pass
+    of the prefix alone), gives the logits and the cache entries of a pass that runs every layer."""
+    import copy
+
+    from selfspec.batch_runner import BatchRunner
+
+    model = tiny_model(arch, torch.float64)
+    parts = selfspec.wrap(model).parts
+    layers = (0, 1, 2, 4)
+    prompts = [random_prompt(9, seed=1)[0].tolist(), random_prompt(5, seed=2)[0].tolist()]
+    for width in (3, 4):
+        runner = BatchRunner(parts, capacity=32)
+        with torch.no_grad():
+            for prompt in prompts:
+                row = runner.cache.add_row()
+                runner.forward_rows(torch.tensor([prompt[:-1]]), [0], slice(row, row + 1), last=True)
+            starts = [len(p) - 1 for p in prompts]
+            inputs = [[p[-1]] for p in prompts]
+            boundary = []
+            for j in range(3):  # the draft: every row one token a step, its greedy choice
+                logits = runner.draft_rows(torch.tensor([[i[-1]] for i in inputs]), [s + j for s in starts],
+                                           slice(0, 2), layers)[:, 0]
+                boundary.append(runner.boundary)
+                for i, token in enumerate(logits.argmax(-1).tolist()):
+                    inputs[i].append(token)
+            ids = torch.tensor([i[:width] for i in inputs])  # [2, width]: the last token and width - 1 drafted
+            full_runner = copy.deepcopy(runner)
+            resumed = runner.forward_rows(ids, starts, slice(0, 2), exact_prefix=3, boundary=boundary)
+            full = full_runner.forward_rows(ids, starts, slice(0, 2))
+        assert torch.allclose(resumed, full, atol=1e-10), (arch, width, (resumed - full).abs().max())
+        for ours, theirs in ((runner.cache.keys, full_runner.cache.keys), (runner.cache.values, full_runner.cache.values)):
+            for layer, (a, b) in enumerate(zip(ours, theirs)):  # [rows, kv_heads, capacity, head_dim] each
+                for row, start in enumerate(starts):
+                    assert torch.allclose(a[row, :, : start + width], b[row, :, : start + width], atol=1e-10), (arch, layer)
