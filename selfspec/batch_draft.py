@@ -40,7 +40,7 @@ from .ngram import NgramIndex, agreement
 from .output import Output
 from .costs import RuntimeCosts
 from .plan import exact_prefix_of
-from .policy import TREE_SLACK, AcceptanceEstimates, DepthCalibration
+from .policy import AcceptanceEstimates, DepthCalibration, tree_room
 from .recycle import SuccessorTable
 from .scoring import Scorer
 from .stats import GenerationStats
@@ -286,12 +286,9 @@ class LayerRows:
             self.chains(batch, serve, features, before)
 
     def trees_pay(self, batch: DraftRound) -> bool:
-        """Whether to draft trees this round: a fixed plan always (as one sequence's), else where a pass over a
-        branch more costs within `TREE_SLACK` of a chain's first token (`CostPolicy.tree_nodes`)."""
-        if batch.fixed:
-            return True
-        costs = batch.priced()
-        return costs.verify(3) <= costs.verify(2) * (1 + TREE_SLACK)
+        """Whether to draft trees this round: a fixed plan always (as one sequence's), else where the rows' pass
+        has room for a branch beside a chain's first token (`policy.tree_room`, as one sequence's)."""
+        return batch.fixed or tree_room(batch.priced(), 1, self.tree, exact_prefix=self.exact_prefix) > 1
 
     def chains(self, batch: DraftRound, serve: list[int], features: FeatureHead | None,
                before: torch.Tensor | None) -> None:

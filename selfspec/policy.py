@@ -112,6 +112,17 @@ SHRINK = 2.0  # pseudo-observations pulling a (position, confidence) cell toward
 MIN_EVIDENCE = 1.0  # judged tokens (decayed) before a layer set's estimate counts as tried
 
 
+def tree_room(costs: RuntimeCosts, chain: int, max_nodes: int, *, exact_prefix: int = 0) -> int:
+    """Nodes a tree around a chain of `chain` tokens may hold (one sequence's or a batch's rows'): as many as
+    verify within `TREE_SLACK` of the chain's cost. `exact_prefix`: a layer chain's verify pass would resume
+    after it; a tree's runs every layer."""
+    base = costs.verify(chain + 1, exact_prefix)
+    nodes = chain
+    while nodes < max_nodes and costs.verify(nodes + 2) <= base * (1 + TREE_SLACK):
+        nodes += 1
+    return nodes
+
+
 def choose_length(
     *,
     accepted_so_far: float,
@@ -642,16 +653,7 @@ class CostPolicy:
         return self.draft_length_from(drafted) > drafted
 
     def tree_nodes(self, chain: int, max_nodes: int, *, exact_prefix: int = 0) -> int:
-        """Nodes a tree around a chain of `chain` tokens may hold: as many as verify within 5% of the chain's cost.
-
-        `exact_prefix`: a layer chain's verify pass would resume after it; a
-        tree's runs every layer.
-        """
-        base = self.costs.verify(chain + 1, exact_prefix)
-        nodes = chain
-        while nodes < max_nodes and self.costs.verify(nodes + 2) <= base * (1 + TREE_SLACK):
-            nodes += 1
-        return nodes
+        return tree_room(self.costs, chain, max_nodes, exact_prefix=exact_prefix)
 
     def planned_length(self) -> int:
         """The layer draft length, decided before drafting (the static step: reading a confidence would sync)."""
