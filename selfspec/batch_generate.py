@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 
 import torch
 
@@ -26,7 +27,16 @@ from .output import Clock
 
 
 def open_session(spec) -> BatchSession:
-    """`spec.batch_session()`: a session over the wrapper `spec`'s model, plan and kernels."""
+    """`spec.batch_session()`: a session over the wrapper `spec`'s model, plan and kernels. It warns where a batch
+    runs the wrapper otherwise than one sequence does: on the eager step, with an auto plan's reference set."""
+    notes = []
+    if spec.step != "eager":
+        notes.append(f"a batch's passes run the eager step, not step={spec.step!r} (one sequence's)")
+    if spec.plan.auto and spec.plan.drafts:
+        notes.append(f"a batch drafts with the auto plan's reference layer set "
+                     f"{list(batch_draft_layers(spec))}, not a set chosen per context (one sequence's)")
+    if notes:
+        warnings.warn(f"plan {spec.describe_plan()!r}: " + "; ".join(notes), stacklevel=3)
     return BatchSession(spec.parts, spec.plan, settings_for=functools.partial(row_settings, spec),
                         costs_for=lambda rows, learn: batch_costs(spec, rows, learn),
                         check_context=spec.check_context, linear=spec.linear_kernels(),

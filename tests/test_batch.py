@@ -15,7 +15,9 @@
   draft must beat a plain step by the margin; a pass that is cheap at a
   short context and costly at a long one is drafted at the first only;
   measured batch tables time both contexts;
-- bad input: right padding, a row of padding only, a streamer with a batch.
+- bad input: right padding, a row of padding only, a streamer with a batch;
+  a session warns where it runs otherwise than one sequence (the eager step,
+  an auto plan's reference set).
 Sampling per row is tested statistically in `test_sampling.py`.
 """
 
@@ -441,3 +443,20 @@ def test_a_batch_that_never_drafts_still_learns_its_copies():
     assert judged and all(bucket == 0 for _, bucket in judged)  # the first token of a proposal, and only it
     assert sum(rate.seen for rate in judged.values()) == pytest.approx(
         sum(rate.seen for rate in session.acceptance.ngram.values()))
+
+
+def test_a_batch_says_where_it_runs_otherwise_than_one_sequence():
+    """A batch runs the eager step and drafts with an auto plan's reference layer set: `batch_session` warns so,
+    naming what one sequence would do, and is silent where a batch does what one sequence does."""
+    import warnings
+
+    model = tiny_model("llama")
+    with pytest.warns(UserWarning, match=r"eager step, not step='static'"):
+        selfspec.wrap(model, plan=selfspec.DraftPlan(ngram=2), step="static").batch_session()
+    with pytest.warns(UserWarning, match=r"reference layer set \[0, 1, 2\], not a set chosen per context"):
+        selfspec.wrap(model, plan="auto", costs="flat").batch_session()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        selfspec.wrap(model, plan=selfspec.DraftPlan(layers=(0, 2), tree=8, draft_length=3),
+                      costs="flat").batch_session()
+    assert not [w for w in caught if "a batch" in str(w.message)]  # layer trees: as one sequence
