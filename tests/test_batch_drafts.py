@@ -9,6 +9,8 @@
   the head's cache row holds the target's entries for every kept token.
 - Rows that join and leave mid-session keep drafting and stay exact.
 - The measured batch table prices a draft step over the rows.
+- A row alone in a batch makes one sequence's rounds under a fixed plan (layer
+  chains and trees, exit and feature heads): the same outcomes, the same text.
 - A verify pass resumed after a layer chain's exact prefix gives a full pass's
   logits and cache entries; rounds resume where every row drafted layers.
 - Layer trees (layers, exit and feature heads): a row's tree drafted in the
@@ -268,3 +270,27 @@ def test_a_resumed_verify_pass_computes_what_a_full_one_does(arch):
             for layer, (a, b) in enumerate(zip(ours, theirs)):  # [rows, kv_heads, capacity, head_dim] each
                 for row, start in enumerate(starts):
                     assert torch.allclose(a[row, :, : start + width], b[row, :, : start + width], atol=1e-10), (arch, layer)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gpt2", "qwen2"])
+def test_a_batch_of_one_drafts_the_rounds_one_sequence_drafts(arch, tmp_path):
+    """Under a fixed plan a row alone in a batch session (what the server runs) makes one sequence's rounds: the
+    same layer chains or trees, of the same sizes, with the same outcomes (`round_outcomes`: source, nodes
+    verified, tokens kept), and the same text."""
+    model = tiny_model(arch, torch.float64)
+    paths = {"head": make_head(model, tmp_path / "head", exit_layer=2, noise=0.05),
+             "features": make_feature_head(model, tmp_path / "features", noise=0.05)}
+    plans = [plan(paths) for plan in TREE_PLANS.values()]
+    plans += [selfspec.DraftPlan(layers=(0, 1, 2, 4), draft_length=3, policy="fixed"),
+              selfspec.DraftPlan(head=str(paths["features"]), draft_length=3, policy="fixed")]
+    prompt = random_prompt(11, seed=7)[0].tolist()
+    for plan in plans:
+        spec = selfspec.wrap(model, plan=plan)
+        single = spec.generate(torch.tensor([prompt]), max_new_tokens=24)[0, len(prompt):].tolist()
+        alone = spec.last_stats
+        session = spec.batch_session()
+        row = session.add(prompt, max_new_tokens=24)
+        while len(session):
+            session.step()
+        assert row.new_tokens == single, plan
+        assert row.stats.round_outcomes == alone.round_outcomes, (plan, row.stats.round_outcomes, alone.round_outcomes)
