@@ -228,7 +228,7 @@ class RecycledRows:
         self.calibration = DepthCalibration()  # what every row's verified recycled nodes earned
 
     def propose(self, batch: DraftRound) -> None:
-        ratios = (self.calibration if batch.learned else DepthCalibration()).ratios()
+        calibration = self.calibration if batch.learned else DepthCalibration()
         for row, budget, draft in zip(batch.rows, batch.budgets, batch.drafts):
             if budget < 1 or draft.source not in ("", "ngram"):
                 continue
@@ -240,7 +240,7 @@ class RecycledRows:
                 continue
             draft.source = draft.source or "recycled"
             draft.grown, draft.values = tree, values
-            draft.gains = [ratios[min(depth, len(ratios)) - 1] * value for depth, value in zip(depths, values)]
+            draft.gains = calibration.gains(depths, values)
 
     def learn(self, batch: DraftRound, i: int, verified: int, kept: list[int], path: list[int] | None) -> None:
         draft = batch.drafts[i]
@@ -362,14 +362,13 @@ class LayerRows:
                     self.take_chain(batch, i, growth)
         if not batch.layer_steps:
             return
-        ratios = (self.calibration if batch.learned else DepthCalibration()).ratios()
+        calibration = self.calibration if batch.learned else DepthCalibration()
         for i in serve:
             draft = batch.drafts[i]
             tree, path_probs = growths[i].tree(self.tree, max_depth=batch.budgets[i])
             chain = len(draft.tokens)
             draft.grown, draft.values = tree, list(path_probs[chain:])
-            draft.gains = [ratios[min(depth, len(ratios)) - 1] * value
-                           for depth, value in zip(tree.depths()[1 + chain :], draft.values)]
+            draft.gains = calibration.gains(tree.depths()[1 + chain :], draft.values)
         if batch.learned:
             self.calibration.decay()
 

@@ -254,6 +254,11 @@ class DepthCalibration:
             ratios.append(prior)
         return ratios
 
+    def gains(self, depths: Sequence[int], values: Sequence[float]) -> list[float]:
+        """The tokens nodes at tree `depths` with `values` are expected to add: each value times its depth's ratio."""
+        ratios = self.ratios()
+        return [ratios[_bucket(depth)] * value for depth, value in zip(depths, values)]
+
     def observe(self, *, depths: Sequence[int], values: Sequence[float], kept: Sequence[bool]) -> None:
         """Verified recycled nodes at `depths` with `values`; `kept[i]`: node i lies on the kept path."""
         for depth, value, on_path in zip(depths, values, kept, strict=True):

@@ -196,7 +196,8 @@ class LayerTreeGrowth:
         best = self.best_path(max_depth)
         chosen = sorted((c for c, item in enumerate(self.proposals) if max_depth is None or item[3] <= max_depth),
                         key=lambda c: (-self.proposals[c][0], c))[:nodes]
-        order = best + [c for c in chosen if c not in set(best)]
+        on_best = set(best)
+        order = best + [c for c in chosen if c not in on_best]
         tree = TokenTree.from_paths([self.lineage(best[-1])] + [self.lineage(c) for c in order[len(best):]],
                                     max_nodes=max(nodes, len(best)))
         return tree, tuple(self.proposals[c][0] for c in order[: len(tree)])
