@@ -222,7 +222,8 @@ def batch_throughput(name: str, rows: int = 8) -> None:
 
 
 def check_offload() -> bool | None:
-    """Half the layers in CPU memory (accelerate's hooks move activations): eager selfspec equals generate."""
+    """Half the layers in CPU memory (accelerate's hooks move activations): selfspec equals generate, streamed and
+    through the hooks, on the eager and the static step."""
     if DEVICE.type != "cuda":
         print("offload: skipped (no CUDA device)")
         return None
@@ -241,14 +242,16 @@ def check_offload() -> bool | None:
         with torch.no_grad():
             ref = model.generate(prompt, do_sample=False, max_new_tokens=30)
         plan = selfspec.DraftPlan(exit_layer=layers // 2, draft_length=4, policy="fixed")
-        outs = {stream: selfspec.wrap(model, plan=plan, step="eager", offload_stream=stream).generate(
-            prompt, max_new_tokens=30) for stream in (True, False)}  # selfspec's stream, accelerate's hooks
+        # selfspec's stream and accelerate's hooks, on the eager and the static step
+        outs = {(stream, step): selfspec.wrap(model, plan=plan, step=step, offload_stream=stream).generate(
+            prompt, max_new_tokens=30) for stream in (True, False) for step in ("eager", "static")}
     except Exception as error:
         print(f"offload: raised {type(error).__name__}: {error}")
         return False
-    same = {stream: torch.equal(out, ref) for stream, out in outs.items()}
+    same = {key: torch.equal(out, ref) for key, out in outs.items()}
     print(f"offload: layers {layers // 2}..{layers - 1} in CPU memory, draft = the resident layers: "
-          f"identical to generate: streamed {same[True]}, through accelerate's hooks {same[False]}", flush=True)
+          "identical to generate: " + ", ".join(f"{'streamed' if stream else 'hooks'} {step} {ok}"
+                                                for (stream, step), ok in same.items()), flush=True)
     return all(same.values())
 
 
@@ -268,11 +271,14 @@ def offload_timing(name: str = "SmolLM2-135M", new: int = 48) -> None:
     plain = selfspec.wrap(model, plan=selfspec.DraftPlan(draft_length=0))
     hooks = selfspec.wrap(model, plan=selfspec.DraftPlan(draft_length=0), offload_stream=False)
     default = selfspec.wrap(model)
+    static = selfspec.wrap(model, step="static")
     runs = {"model.generate": lambda: model.generate(prompt, do_sample=False, max_new_tokens=new, min_new_tokens=new),
             "selfspec plain, accelerate's hooks": lambda: hooks.generate(prompt, max_new_tokens=new,
                                                                           min_new_tokens=new),
             "selfspec plain, streamed": lambda: plain.generate(prompt, max_new_tokens=new, min_new_tokens=new),
-            "selfspec default, streamed": lambda: default.generate(prompt, max_new_tokens=new, min_new_tokens=new)}
+            "selfspec default, streamed": lambda: default.generate(prompt, max_new_tokens=new, min_new_tokens=new),
+            "selfspec default, streamed, static step": lambda: static.generate(prompt, max_new_tokens=new,
+                                                                               min_new_tokens=new)}
     with torch.no_grad():
         for label, run in runs.items():  # sync_time warms up (the default's cost table is measured then)
             speeds[label] = new / sync_time(run, repeats=2)

@@ -80,8 +80,9 @@ def wrap(
     `step`: how a pass runs. "eager": shapes follow the tokens, and the draft
     reads each choice back; "static": fixed shapes (`static.py`) and one read
     back per round (`rounds.py`); "graphs": static, with every pass
-    captured as a CUDA graph once and replayed (CUDA only); "auto": "graphs"
-    on CUDA, "eager" elsewhere.
+    captured as a CUDA graph once and replayed (CUDA only; not with offloaded
+    layers, whose weights move in for each pass); "auto": "graphs" on CUDA
+    with every layer in place, "eager" elsewhere.
     `kernels` (the CPU's): "measured", the attention and linear kernels
     that run fastest here (`cpu_kernels.py`; the same sums in another order,
     so a low-precision output may part from `model.generate`'s at a rounding
@@ -173,9 +174,10 @@ class SelfSpecModel:
         if step == "graphs" and not on_cuda:
             raise ValueError(f"step='graphs' needs the model on a CUDA device; it is on {self.parts.device} "
                              f"(valid here: 'auto', 'eager', 'static')")
-        if self.offloaded and step in ("static", "graphs"):
-            raise ValueError(f"step={step!r} needs every layer's weights in place; layers "
-                             f"{describe_layers(self.offloaded)} are offloaded (valid here: 'auto', 'eager')")
+        if self.offloaded and step == "graphs":  # a captured graph cannot read weights from elsewhere
+            raise ValueError(f"step='graphs' needs every layer's weights in place; layers "
+                             f"{describe_layers(self.offloaded)} are offloaded (valid here: 'auto', 'eager', "
+                             f"'static')")
         if step == "auto":
             return "graphs" if on_cuda and not self.offloaded else "eager"
         return step

@@ -63,17 +63,37 @@ def test_sampling_from_an_offloaded_model_is_the_resident_models_sample(tmp_path
     assert torch.equal(spec.generate(prompt, do_sample=True, temperature=1.3, max_new_tokens=30), resident)
 
 
-def test_offloaded_layers_are_reported_and_static_steps_refused(tmp_path):
+def test_offloaded_layers_are_reported_and_graphs_refused(tmp_path, monkeypatch):
     model = offloaded(tiny_model("llama", torch.float32), tmp_path, 3)
     spec = selfspec.wrap(model)
     line = spec.memory(context=64).summary()
     assert "offloaded: layers 3-5" in line, line
     assert spec.step == "eager"
-    with pytest.raises(ValueError, match=r"step='static' needs every layer's weights in place; layers 3-5"):
-        selfspec.wrap(model, step="static")
+    monkeypatch.setattr(type(spec.parts), "device", property(lambda parts: torch.device("cuda")))  # as on a GPU
+    with pytest.raises(ValueError, match=r"step='graphs' needs every layer's weights in place; layers 3-5"):
+        spec._resolve_step("graphs")
+    assert spec._resolve_step("auto") == "eager" and spec._resolve_step("static") == "static"
+    monkeypatch.undo()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a resident model: no warning for a layer plan
         selfspec.wrap(tiny_model("llama", torch.float32), plan=selfspec.DraftPlan(layers=[0, 1], draft_length=2))
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "hooks"])
+@pytest.mark.parametrize("arch", ["gemma3_text", "gpt2", "llama", "qwen3"])
+def test_the_static_step_runs_an_offloaded_model_exactly(arch, stream, tmp_path):
+    """Fixed shapes over weights that move in for each pass: the default plan and a layer draft, greedy."""
+    model = tiny_model(arch, torch.float64)
+    prompt = random_prompt(10, seed=3)
+    expected = model.generate(prompt, do_sample=False, max_new_tokens=24)
+    n = adapter_for(model).bind(model).num_layers
+    model = offloaded(model, tmp_path, n // 2)
+    layered = selfspec.DraftPlan(layers=list(range(n // 2)), draft_length=3, policy="fixed")
+    for plan in (None, layered):
+        spec = selfspec.wrap(model, step="static", offload_stream=stream, **({"plan": plan} if plan else {}))
+        assert spec.step == "static" and type(spec.runner_for(64)).__name__ == "StaticRunner"
+        assert torch.equal(spec.generate(prompt, max_new_tokens=24), expected), (arch, stream, plan)
+        assert (spec.last_stats.streamed_bytes > 0) == stream  # selfspec read the weights, or the hooks did
 
 
 def test_a_budget_places_embeddings_and_head_first_then_layers_in_order():
