@@ -224,7 +224,7 @@ class BatchSession:
         verify_seconds = clock.lap()
         if batch.costs is not None:
             batch.costs.observe_verify(width, resume, verify_seconds)
-            batch.costs.observe_draft(batch.layer_steps, draft_seconds)
+            batch.costs.observe_draft(batch.costs.draft_steps(batch.pass_widths), draft_seconds)
             self.last_table = batch.costs.table
         finished = []
         self.acceptance.decay(layers_drafted=any(d and s.source == "layers" for d, s in zip(drafts, batch.drafts)))

@@ -132,6 +132,8 @@ class DraftRound:
     learned: bool = True  # whether the round decides and learns from earlier rounds' outcomes (not when sampling)
     drafts: list[RowDraft] = field(default_factory=list)
     layer_steps: int = 0  # layer draft passes run this round
+    pass_widths: list[int] = field(default_factory=list)  # per layer draft pass: the nodes it ran per row
+    next_width: int = 1  # ... and what the next one would run (a layer tree's levels are wider than its root)
     costs: RuntimeCosts | None = None  # fetched by the first decision that needs them
     # Where every row drafted a layer chain or nothing: the layers the verify pass resumes after (the draft's exact
     # prefix, `LayerRows.exact_prefix`), and per draft step the rows' states after them `[rows, 1, hidden]`.
@@ -159,9 +161,10 @@ class DraftRound:
         odds = [d.odds + f for d, f in zip(self.drafts, futures)]
         gains = [d.gains for d in self.drafts]
         longest = max((len(o) + len(g) for o, g in zip(odds, gains)), default=0)
+        drafted_to = max((len(o) for o in odds), default=0)  # past it no row drafts: its nodes are drafted already
         costs = self.priced()
-        step = costs.draft() if self.layer_steps or any(futures) else 0.0  # one layer draft step over the rows
-        spent = self.layer_steps * step
+        step = costs.draft(self.next_width) if any(futures) else 0.0  # one more layer draft pass over the rows
+        spent = costs.draft() * costs.draft_steps(self.pass_widths) if self.pass_widths else 0.0
         rows, reach, extra = len(odds), [1.0] * len(odds), 0.0
         best_k, best_extra, best_rate = 0, 0.0, rows / (spent + costs.verify(1)) * (1 + BATCH_MARGIN)
         for k in range(1, longest + 1):
@@ -171,7 +174,7 @@ class DraftRound:
                     extra += reach[i]
                 elif k - len(row_odds) <= len(gains[i]):
                     extra += gains[i][k - len(row_odds) - 1]
-            seconds = spent + max(0, k - self.layer_steps) * step + costs.verify(k + 1, self.exact_prefix)
+            seconds = spent + max(0, min(k, drafted_to) - self.layer_steps) * step + costs.verify(k + 1, self.exact_prefix)
             rate = (rows + self.scale * extra) / seconds
             if rate > best_rate * (1 + 1e-9):
                 best_k, best_extra, best_rate = k, extra, rate
@@ -309,6 +312,7 @@ class LayerRows:
             if batch.exact_prefix:
                 batch.boundary.append(self.runner.boundary)  # [rows, 1, hidden]
             batch.layer_steps += 1
+            batch.pass_widths.append(1)
             for i in serve:
                 if j >= batch.budgets[i]:
                     continue
@@ -352,6 +356,7 @@ class LayerRows:
                                             self.layers, self.vocab, head=features, before=before,
                                             trees=trees, first_row=first_row)  # [rows, w, vocab]
             batch.layer_steps += 1
+            batch.pass_widths.append(len(ids[0]))
             for i, (row, growth) in enumerate(zip(rows, growths)):
                 scores = logits[i]  # [w, vocab]
                 if i in serve and row.scorer.processors:  # each node conditioned on its own path
@@ -360,6 +365,7 @@ class LayerRows:
                 growth.expand(scores)
                 if i in serve and batch.layer_steps <= batch.budgets[i]:
                     self.take_chain(batch, i, growth)
+            batch.next_width = len(growths[0].level)  # every row's level is as wide
         if not batch.layer_steps:
             return
         calibration = self.calibration if batch.learned else DepthCalibration()

@@ -26,7 +26,7 @@ import platform
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,6 +100,11 @@ class PassCosts:
     def draft_seconds(self, context: int | None = None) -> float:
         """One drafted token with `context` entries in the cache (0.0: the plan drafts no layers)."""
         return self._at(self.draft_step, self.draft_long, context)
+
+    def width_scale(self, width: int, context: int | None = None) -> float:
+        """What a pass over `width` tokens costs in passes over one, by the full pass's measured curve: how a
+        draft pass over a tree level's nodes is priced (the same kernels over fewer layers)."""
+        return self._full(width, context) / self._full(1, context) if width > 1 else 1.0
 
     def _full(self, width: int, context: int | None) -> float:
         i = min(width, self.max_width) - 1
@@ -523,9 +528,13 @@ class RuntimeCosts:
             self.priced[(width, exact_prefix)] = seconds
         return seconds
 
-    def draft(self) -> float:
-        """One drafted token at this round's context."""
-        return self.table.draft_seconds(self.context) * self.draft_ratio
+    def draft(self, width: int = 1) -> float:
+        """A draft pass over `width` tokens (one drafted token, or a tree level's nodes) at this round's context."""
+        return self.table.draft_seconds(self.context) * self.draft_ratio * self.table.width_scale(width, self.context)
+
+    def draft_steps(self, widths: Sequence[int]) -> float:
+        """Draft passes over `widths` tokens each, counted in passes over one token."""
+        return sum(self.table.width_scale(w, self.context) for w in widths)
 
     def refined(self) -> PassCosts:
         """The table as the rounds measured it: what the next process should start from.
@@ -566,7 +575,8 @@ class RuntimeCosts:
         self.ratios.clear()
         self.priced.clear()
 
-    def observe_draft(self, steps: int, seconds: float) -> None:
+    def observe_draft(self, steps: float, seconds: float) -> None:
+        """Draft passes worth `steps` one-token passes (`draft_steps`) took `seconds`."""
         if not self.learn or steps <= 0 or seconds <= 0 or not self.table.draft_step:
             return
         self.seen_draft.append(seconds / steps / self.table.draft_seconds(self.context))

@@ -48,6 +48,7 @@ class Draft:
     match_length: int = 0  # n-gram drafts: how far back the match agrees (`ngram.matched_length`)
     tree: TokenTree | None = None  # n-gram continuations or a layer draft as a tree (`tree.py`); `tokens`: its first path
     path_probs: tuple[float, ...] = ()  # a layer tree: per node, the draft's probability of the path to it
+    pass_widths: tuple[int, ...] = ()  # a layer tree: per draft pass, the nodes it ran (empty: one token each)
     recycled: tuple[float, ...] = ()  # a tree's last len(recycled) nodes are recycled (`recycle.py`): their values
     # A chain drafted on the device and not read back yet (the static step): its tokens `[k]` and confidences `[k]`
     # (or None); `tokens` and `confidences` are filled in by the round's one read.
@@ -191,7 +192,7 @@ class Drafter:
         hidden = None  # the last level's outputs `[1, w, hidden]` (a feature head's nodes read their parent's)
         # Every row a pass writes fits in the verify pass's room (the tree's node budget, plus the last token).
         while (len(growth.ran) + (len(growth.level) if growth.depth else 0) <= self.tree_nodes
-               and policy.draft_next(growth.depth, coverage)):
+               and policy.draft_next(growth.depth, coverage, width=len(growth.level))):
             if not growth.depth:
                 hidden = self.tree_inputs(runner, runner.embed([tokens[-1]], start), None)  # [1, 1, hidden]
                 hidden = runner.run(hidden, layers, start)
@@ -215,7 +216,7 @@ class Drafter:
                                                                     exact_prefix=self.exact_prefix)))
         # Verified as a tree even when it is a chain.
         return Draft(tree.path_tokens(list(range(depth))), None, [], confidences=confidences, tree=tree,
-                     path_probs=path_probs)
+                     path_probs=path_probs, pass_widths=tuple(growth.pass_widths))
 
     def recycled_draft(self, tokens: list[int], policy, base: Draft | None, successors: SuccessorTable) -> Draft | None:
         """`base` (an n-gram proposal, or None) grown with recycled nodes, as many as `policy` finds worth a

@@ -52,7 +52,7 @@ class DraftPolicy(Protocol):
 
     def begin_round(self, budget: int, *, context: int | None = None) -> None: ...
 
-    def draft_next(self, drafted: int, confidence: float | None) -> bool: ...
+    def draft_next(self, drafted: int, confidence: float | None, *, width: int = 1) -> bool: ...
 
     def planned_length(self) -> int: ...
 
@@ -529,6 +529,7 @@ class CostPolicy:
         self.round_budget = plan.draft_length
         self.reach = 1.0  # chance that every token drafted so far this round is accepted
         self.expected = 1.0  # expected emitted tokens if the round stopped now
+        self.spent, self.pass_width = 0.0, 1  # this round's layer draft passes so far; the width of the last
         self.draft_scale = 1.0  # a drafted token's cost relative to the table's draft step (auto plans' other sets)
         self.recycled = DepthCalibration()  # of the recycled nodes' recorded path probabilities, the share kept
         self.ledger = RecycleLedger(timed=costs.learn)  # whether recycling pays (a recycled-draft plan)
@@ -638,6 +639,7 @@ class CostPolicy:
     def begin_round(self, budget: int, *, context: int | None = None) -> None:
         """A new round that may draft `budget` tokens, with `context` entries in the cache (what passes cost)."""
         self.round_budget, self.reach, self.expected = budget, 1.0, 1.0
+        self.spent, self.pass_width = 0.0, 1  # this round's layer draft passes so far; the width of the last
         self.costs.context = context
 
     def ngram_length(self, match_length: int, available: int) -> int:
@@ -648,14 +650,17 @@ class CostPolicy:
             draft_seconds=0.0, verify_seconds=lambda q: self.costs.verify(q),
         )
 
-    def draft_next(self, drafted: int, confidence: float | None) -> bool:
-        """Whether to draft one more layer token, after `drafted` this round (the last with `confidence`)."""
+    def draft_next(self, drafted: int, confidence: float | None, *, width: int = 1) -> bool:
+        """Whether to draft one more layer token (a layer tree: one more level, over `width` nodes a pass), after
+        `drafted` this round (the last with `confidence`; a tree level's: the share of probability it kept)."""
         if drafted:
             self.reach *= self.acceptance.layer_token(drafted, confidence)
             self.expected += self.reach
+            self.spent += self.costs.draft(self.pass_width) * self.draft_scale  # the pass that drafted it
+        self.pass_width = width
         if self.round_budget - drafted <= 0 or not self.costs.table.draft_step:
             return False
-        return self.draft_length_from(drafted) > drafted
+        return self.draft_length_from(drafted, width=width, spent=self.spent) > drafted
 
     def tree_nodes(self, chain: int, max_nodes: int, *, exact_prefix: int = 0) -> int:
         return tree_room(self.costs, chain, max_nodes, exact_prefix=exact_prefix)
@@ -666,13 +671,13 @@ class CostPolicy:
             return 0
         return self.draft_length_from(0)
 
-    def draft_length_from(self, drafted: int) -> int:
-        """The best total layer draft length this round, after `drafted` tokens (whose odds are in `reach`)."""
+    def draft_length_from(self, drafted: int, *, width: int = 1, spent: float = 0.0) -> int:
+        """The best total layer draft length this round, after `drafted` tokens (whose odds are in `reach`, whose
+        passes took `spent` seconds), each further one a pass over `width` tokens."""
         future = [self.acceptance.layer_position(drafted + j + 1) for j in range(self.round_budget - drafted)]
-        step = self.costs.draft() * self.draft_scale
         return choose_length(
             accepted_so_far=self.reach, expected_so_far=self.expected, drafted=drafted, future=future,
-            spent=drafted * step, draft_seconds=step,
+            spent=spent, draft_seconds=self.costs.draft(width) * self.draft_scale,
             verify_seconds=lambda q: self.costs.verify(q, self.exact_prefix),
         )
 
@@ -686,13 +691,15 @@ class CostPolicy:
         self.acceptance.observe(draft, accepted)
         resumed = layered and draft.tree is None  # a tree's verify pass runs every layer
         prefix = self.exact_prefix if resumed else 0
+        # The layer draft's passes in one-token passes (a tree's levels are wider).
+        steps = self.costs.draft_steps(draft.pass_widths) if draft.pass_widths else len(draft.tokens)
         if self.ledger.recorder is not None:  # priced before this round's time moves the table
-            seconds = self.costs.verify(width, prefix) + (len(draft.tokens) * self.costs.draft() * self.draft_scale
+            seconds = self.costs.verify(width, prefix) + (steps * self.costs.draft() * self.draft_scale
                                                           if layered else 0.0)
             self.ledger.observe(round_seconds=seconds, emitted=accepted + 1 if emitted is None else emitted)
         self.costs.observe_verify(width, prefix, verify_seconds)
         if layered:
-            self.costs.observe_draft(len(draft.tokens), draft_seconds / self.draft_scale)
+            self.costs.observe_draft(steps, draft_seconds / self.draft_scale)
 
     def describe(self) -> str:
         recycling = f"; {self.ledger.describe()}" if self.ledger.recorder is not None else ""
@@ -775,7 +782,7 @@ class AdaptivePolicy:
         """The static step drafts the budget: the confidence threshold would need a read back per token."""
         return self.layer_budget
 
-    def draft_next(self, drafted: int, confidence: float | None) -> bool:
+    def draft_next(self, drafted: int, confidence: float | None, *, width: int = 1) -> bool:
         if drafted >= self.layer_budget:
             return False
         threshold = self.threshold

@@ -137,6 +137,7 @@ class LayerTreeGrowth:
         self.ran: list[int] = []  # the proposals the passes ran, in their tree rows (1..; row 0 is the last token)
         self.level: list[int] = [-1]  # the proposals the next pass runs (-1: the last token)
         self.parent_slots: list[int] = [0]  # per level node: its parent's place in the level before
+        self.pass_widths: list[int] = []  # per pass expanded: the nodes it ran (how its draft pass is priced)
 
     @property
     def depth(self) -> int:
@@ -165,6 +166,7 @@ class LayerTreeGrowth:
         become proposals, the likeliest `branches` of them the next level. Returns the share of the level's
         probability the next level keeps."""
         top_p, top_tokens = torch.softmax(logits.float(), dim=-1).topk(self.branches)  # [w, b]
+        self.pass_widths.append(len(self.level))
         reach = [1.0 if node < 0 else self.proposals[node][0] for node in self.level]
         depth = self.depth + 1
         children, slots = [], {}

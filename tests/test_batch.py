@@ -401,6 +401,28 @@ def test_recycled_nodes_are_priced_after_the_chain_they_grow():
     assert [row.nodes(k) for k in (0, 1, 2, 3, 4)] == [0, 1, 2, 3, 3]  # nodes verified at each cut
 
 
+def test_a_batch_prices_layer_tree_levels_by_their_width_and_drafted_nodes_as_drafted():
+    """After a row's layer tree is drafted, its nodes past the chain cost no further draft pass; before the next
+    level, that level is priced as a pass over its nodes (`RuntimeCosts.draft(width)`)."""
+    session = selfspec.wrap(tiny_model("llama", torch.float32), plan=NGRAM_LAYERS).batch_session()
+    costs = RuntimeCosts(PassCosts((1.0, 1.0, 2.0, 2.0, 2.0, 2.0), 0.5, 4), learn=False)  # 3 wide: 2 steps
+
+    def drafted(gains):  # two levels drafted: a pass over the last token (0.5 s), one over three nodes (1.0 s)
+        batch = DraftRound([None], [0], [8], session.acceptance, lambda: costs)
+        batch.layer_steps, batch.pass_widths, batch.next_width = 2, [1, 3], 3
+        row = batch.drafts[0]
+        row.source, row.tokens, row.odds, row.gains = "layers", [7, 8], [0.9, 0.9], gains
+        return batch
+
+    # The cut at 4 verifies the chain and both other nodes in one pass, for no more drafting: 3.61 / 3.5 s.
+    assert drafted([0.6, 0.3]).length() == (4, pytest.approx(0.9 + 0.81 + 0.6 + 0.3))
+    # A third level over three nodes (1.0 s) does not pay: 3.44 / 4.5 s against 2.71 / 3.5 s; over one, it does.
+    batch = drafted([])
+    assert batch.length([[0.9]])[0] == 2
+    batch.next_width = 1
+    assert batch.length([[0.9]])[0] == 3
+
+
 def test_bad_batches_get_clear_errors():
     model = tiny_model("llama", torch.float64)
     spec = selfspec.wrap(model, plan=NGRAM)

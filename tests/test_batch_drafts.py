@@ -146,7 +146,7 @@ def test_a_batch_rows_layer_tree_is_the_one_its_sequence_drafts_alone(arch, tmp_
         def __init__(self, depth):
             self.depth = depth
 
-        def draft_next(self, depth, coverage):
+        def draft_next(self, depth, coverage, *, width=1):
             return depth < self.depth
 
         def tree_nodes(self, chain, max_nodes, *, exact_prefix=0):

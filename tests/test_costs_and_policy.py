@@ -109,6 +109,29 @@ def test_cost_policy_on_a_flat_profile_drafts_and_stops_after_an_unconfident_tok
     assert not p.draft_next(2, 0.05)  # after an unconfident one: stop
 
 
+def test_a_draft_pass_over_a_tree_level_is_priced_by_its_width():
+    """A layer tree's level runs its nodes in one draft pass: priced as the full pass's measured curve grows with
+    the width (the same kernels over fewer layers), counted so when its time is observed, and weighed by the
+    policy before it drafts the next level."""
+    table = PassCosts((1.0, 1.5, 2.0), 0.2, 6)
+    costs = RuntimeCosts(table)
+    assert costs.draft(1) == costs.draft() == pytest.approx(0.2)
+    assert costs.draft(3) == pytest.approx(0.4)  # a pass over 3 costs 2 passes over 1
+    assert costs.draft_steps([1, 3, 3]) == pytest.approx(5.0)
+    for _ in range(5):
+        costs.observe_draft(costs.draft_steps([1, 3, 3]), 1.0)  # exactly what the table says: no correction
+    assert costs.draft() == pytest.approx(0.2)
+    flat = RuntimeCosts(PassCosts.profile("flat", max_width=9, draft_fraction=0.2))
+    assert flat.draft(3) == flat.draft(1)  # where a wider pass costs nothing more, nor does a wider level
+    # The same odds: one more chain token pays, one more level over three nodes (three times the price) does not.
+    plan = selfspec.DraftPlan(layers=[0, 1], draft_length=8, target_acceptance=0.9)
+    p = CostPolicy(plan, RuntimeCosts(PassCosts((1.0, 1.0) + (2.0,) * 7, 0.2, 6), learn=False))
+    p.begin_round(8)
+    assert p.draft_next(0, None) and p.draft_next(1, 0.9, width=1)
+    p.begin_round(8)
+    assert p.draft_next(0, None) and not p.draft_next(1, 0.9, width=3)
+
+
 def test_cost_policy_cuts_ngram_proposals_by_what_their_match_length_earned():
     p = CostPolicy(selfspec.DraftPlan(ngram=3, draft_length=8), RuntimeCosts(avx2_table(), learn=False))
     for _ in range(30):

@@ -176,7 +176,7 @@ def test_a_layer_tree_grows_from_the_drafts_own_choices_after_each_path():
     from selfspec.scoring import Scorer
 
     class ThreeLevels:  # the policy: three levels, the plan's node budget
-        def draft_next(self, depth, coverage):
+        def draft_next(self, depth, coverage, *, width=1):
             return depth < 3
 
         def tree_nodes(self, chain, max_nodes, *, exact_prefix=0):
