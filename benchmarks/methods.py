@@ -20,8 +20,8 @@ does) with what it knows about its own passes (`PassCounts`).
   rule (fixed k, or the adaptive confidence threshold) without the cost model,
   which is what selfspec did before it measured costs.
 - `selfspec-plain-fast`, `selfspec-plan-fast`: the same two on the fast step,
-  `step="graphs"` on CUDA, `step="static"` elsewhere; the three above run
-  `step="eager"`.
+  `step="graphs"` on CUDA, `step="static"` elsewhere and with offloaded layers;
+  the three above run `step="eager"`.
 - `llama-cpp` (optional, `benchmarks/llama_cpp.py`): llama.cpp's plain greedy
   decoding of the same weights as an F32 or BF16 GGUF (the model's dtype, CPU
   only), when llama-cpp-python is installed: the CPU anchor.
@@ -178,8 +178,10 @@ def hf_static_compile_method(model, *, max_new_tokens: int) -> Method:
 
 
 def fast_step(model) -> str:
-    """The step the `-fast` methods run: CUDA graphs on a GPU, the static step elsewhere."""
-    return "graphs" if next(model.parameters()).device.type == "cuda" else "static"
+    """The step the `-fast` methods run: CUDA graphs on a GPU, the static step elsewhere and where layers are
+    offloaded (their weights on the meta device between passes: graphs cannot read them)."""
+    offloaded = any(p.device.type == "meta" for p in model.parameters())
+    return "graphs" if next(model.parameters()).device.type == "cuda" and not offloaded else "static"
 
 
 HELD = "held"  # `costs=HELD`: each plan's cost table measured once, then injected (`held_costs`)

@@ -55,12 +55,14 @@ def test_sampling_from_an_offloaded_model_is_the_resident_models_sample(tmp_path
     model = tiny_model("llama", torch.float64)
     prompt = random_prompt(8, seed=1)
     plan = selfspec.DraftPlan.resident_plan()
-    torch.manual_seed(7)
-    resident = selfspec.wrap(model, plan=plan, costs="flat").generate(prompt, do_sample=True, temperature=1.3,
-                                                                      max_new_tokens=30)
-    spec = selfspec.wrap(offloaded(model, tmp_path, 2), plan=plan, costs="flat")
-    torch.manual_seed(7)
-    assert torch.equal(spec.generate(prompt, do_sample=True, temperature=1.3, max_new_tokens=30), resident)
+    moved = offloaded(model, tmp_path, 2)
+    for step in ("eager", "static"):
+        torch.manual_seed(7)
+        resident = selfspec.wrap(model, plan=plan, costs="flat", step=step).generate(
+            prompt, do_sample=True, temperature=1.3, max_new_tokens=30)
+        spec = selfspec.wrap(moved, plan=plan, costs="flat", step=step)
+        torch.manual_seed(7)
+        assert torch.equal(spec.generate(prompt, do_sample=True, temperature=1.3, max_new_tokens=30), resident), step
 
 
 def test_offloaded_layers_are_reported_and_graphs_refused(tmp_path, monkeypatch):
