@@ -28,15 +28,21 @@ def offloaded(model, tmp_path: Path, first_offloaded: int):
     return offload_layers(model, first_offloaded, folder=tmp_path / "offload")
 
 
-@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "hooks"])
-@pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
-def test_an_offloaded_model_gives_the_targets_greedy_output(arch, stream, tmp_path):
-    """Streamed by selfspec (`streaming.py`, the default) or loaded by accelerate's hooks at every call."""
+def half_offloaded(arch: str, tmp_path: Path):
+    """A float64 tiny model of `arch` with its second half of layers on disk, a prompt, the target's greedy
+    continuation of it (24 tokens) and the layer count."""
     model = tiny_model(arch, torch.float64)
     prompt = random_prompt(10, seed=3)
     expected = model.generate(prompt, do_sample=False, max_new_tokens=24)
     n = adapter_for(model).bind(model).num_layers
-    model = offloaded(model, tmp_path, n // 2)
+    return offloaded(model, tmp_path, n // 2), prompt, expected, n
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "hooks"])
+@pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
+def test_an_offloaded_model_gives_the_targets_greedy_output(arch, stream, tmp_path):
+    """Streamed by selfspec (`streaming.py`, the default) or loaded by accelerate's hooks at every call."""
+    model, prompt, expected, n = half_offloaded(arch, tmp_path)
     spec = selfspec.wrap(model, offload_stream=stream)
     assert spec.offloaded == tuple(range(n // 2, n))
     assert (spec.parts.stream.order if stream else spec.parts.stream) == (list(spec.offloaded) if stream else None)
@@ -85,11 +91,7 @@ def test_offloaded_layers_are_reported_and_graphs_refused(tmp_path, monkeypatch)
 @pytest.mark.parametrize("arch", ["gemma3_text", "gpt2", "llama", "qwen3"])
 def test_the_static_step_runs_an_offloaded_model_exactly(arch, stream, tmp_path):
     """Fixed shapes over weights that move in for each pass: the default plan and a layer draft, greedy."""
-    model = tiny_model(arch, torch.float64)
-    prompt = random_prompt(10, seed=3)
-    expected = model.generate(prompt, do_sample=False, max_new_tokens=24)
-    n = adapter_for(model).bind(model).num_layers
-    model = offloaded(model, tmp_path, n // 2)
+    model, prompt, expected, n = half_offloaded(arch, tmp_path)
     layered = selfspec.DraftPlan(layers=list(range(n // 2)), draft_length=3, policy="fixed")
     for plan in (None, layered):
         spec = selfspec.wrap(model, step="static", offload_stream=stream, **({"plan": plan} if plan else {}))
