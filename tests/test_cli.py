@@ -316,6 +316,7 @@ def test_count_vocab_and_train_head_on_a_tiny_model(tiny_folder, tmp_path, capsy
     plan = json.loads((features.parent / "features.plan.json").read_text())
     trained = json.loads((features.parent / "features.json").read_text())["training"]
     assert plan["draft_vocab"] == "features-vocab.json"  # the head learned to draft from it
+    assert (plan["ngram"], plan["recycle"], plan["tree"], plan["draft_length"]) == (3, True, 16, 8)  # behind copies
     assert trained["draft_vocab"]["file"] == "features-vocab.json" and trained["draft_vocab"]["tokens"] >= 1
     model, _ = selfspec.load(str(tiny_folder), dtype="float32")
     spec = selfspec.wrap(model, plan=str(features.parent / "features.plan.json"))

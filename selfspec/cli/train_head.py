@@ -55,8 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=common.number(0, open_low=True), default=3e-4)
     parser.add_argument("--eval-fraction", type=common.number(0, 1, open_low=True, open_high=True), default=0.1,
                         help="sequences held out for agreement")
-    parser.add_argument("--draft-length", type=common.integer(1, MAX_DRAFT_LENGTH), default=4,
-                        help="k of the plan written beside the head")
+    parser.add_argument("--draft-length", type=common.integer(1, MAX_DRAFT_LENGTH), default=None,
+                        help="k of the plan written beside the head (default: 8 for a feature head, behind "
+                             "n-gram and recycled trees; 4 for an exit head)")
     parser.add_argument("--no-vocab", action="store_true", help="do not count a draft vocabulary")
 
 
@@ -170,8 +171,11 @@ def train_feature_head(args, model, parts, sequences, answers, training: dict, b
         training["draft_vocab"] = {"file": Path(vocab).name, "tokens": int(ids.numel())}
     manifest = save_feature_head(out, head, model=model, parts=parts, training=training)
     plot_agreement(log, out.parent / f"{out.name}.curve.png")
-    plan = DraftPlan(head=manifest.name, draft_length=args.draft_length, name="feature head",
-                     draft_vocab=None if vocab is None else Path(vocab).name)
+    # Behind what costs no pass (n-gram and recycled trees, as an offloaded model's default): in every measured
+    # run that beat the head alone (benchmarks/RESULTS.md, 2026-12-07).
+    plan = DraftPlan.resident_plan(head=manifest.name, draft_length=args.draft_length or 8,
+                                   name="feature head behind n-grams and recycled trees",
+                                   draft_vocab=None if vocab is None else Path(vocab).name)
     per_position = ", ".join(f"{a:.1%}" for a in log.eval_agreement[-1])
     return manifest, plan, (f"{json.dumps({k: training[k] for k in ('seconds', 'tokens', 'final_loss')})}\n"
                             f"held-out top-1 agreement per draft position (answer positions): {per_position}; "
@@ -202,7 +206,7 @@ def train_exit_head(args, model, parts, sequences, training: dict, began: float)
     training["final_loss"] = sum(log.losses[-20:]) / max(1, len(log.losses[-20:]))
     manifest = save_head(out, head, model=model, parts=parts, training=training)
     plot(log, out.parent / f"{out.name}.curve.png")
-    plan = DraftPlan(exit_layer=args.exit_layer, head=manifest.name, draft_length=args.draft_length,
+    plan = DraftPlan(exit_layer=args.exit_layer, head=manifest.name, draft_length=args.draft_length or 4,
                      name=f"exit {args.exit_layer} + trained head")
     final = log.eval_agreement[-1]
     return manifest, plan, (f"{json.dumps({k: training[k] for k in ('seconds', 'tokens', 'exit_agreement', 'final_loss')})}\n"
