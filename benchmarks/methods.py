@@ -48,6 +48,7 @@ import torch
 
 import selfspec
 from selfspec import DraftPlan
+from selfspec.offload import is_offloaded
 from selfspec.plan import ignored_fields
 
 TARGET_ACCEPTANCE = next(f.default for f in dataclasses.fields(DraftPlan) if f.name == "target_acceptance")
@@ -180,8 +181,8 @@ def hf_static_compile_method(model, *, max_new_tokens: int) -> Method:
 def fast_step(model) -> str:
     """The step the `-fast` methods run: CUDA graphs on a GPU, the static step elsewhere and where layers are
     offloaded (their weights on the meta device between passes: graphs cannot read them)."""
-    offloaded = any(p.device.type == "meta" for p in model.parameters())
-    return "graphs" if next(model.parameters()).device.type == "cuda" and not offloaded else "static"
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    return "graphs" if on_cuda and not is_offloaded(model) else "static"
 
 
 HELD = "held"  # `costs=HELD`: each plan's cost table measured once, then injected (`held_costs`)

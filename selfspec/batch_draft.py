@@ -131,8 +131,7 @@ class DraftRound:
     fixed: bool = False  # the plan's `policy="fixed"`: layers draft their full length
     learned: bool = True  # whether the round decides and learns from earlier rounds' outcomes (not when sampling)
     drafts: list[RowDraft] = field(default_factory=list)
-    layer_steps: int = 0  # layer draft passes run this round
-    pass_widths: list[int] = field(default_factory=list)  # per layer draft pass: the nodes it ran per row
+    pass_widths: list[int] = field(default_factory=list)  # per layer draft pass run this round: its nodes per row
     next_width: int = 1  # ... and what the next one would run (a layer tree's levels are wider than its root)
     costs: RuntimeCosts | None = None  # fetched by the first decision that needs them
     # Where every row drafted a layer chain or nothing: the layers the verify pass resumes after (the draft's exact
@@ -142,6 +141,11 @@ class DraftRound:
 
     def __post_init__(self) -> None:
         self.drafts = [RowDraft() for _ in self.rows]
+
+    @property
+    def layer_steps(self) -> int:
+        """Layer draft passes run this round."""
+        return len(self.pass_widths)
 
     def priced(self) -> RuntimeCosts:
         if self.costs is None:
@@ -311,7 +315,6 @@ class LayerRows:
             before = self.runner.drafted
             if batch.exact_prefix:
                 batch.boundary.append(self.runner.boundary)  # [rows, 1, hidden]
-            batch.layer_steps += 1
             batch.pass_widths.append(1)
             for i in serve:
                 if j >= batch.budgets[i]:
@@ -355,7 +358,6 @@ class LayerRows:
             logits = self.runner.draft_rows(torch.tensor(ids, device=device), batch.starts, slice(0, len(rows)),
                                             self.layers, self.vocab, head=features, before=before,
                                             trees=trees, first_row=first_row)  # [rows, w, vocab]
-            batch.layer_steps += 1
             batch.pass_widths.append(len(ids[0]))
             for i, (row, growth) in enumerate(zip(rows, growths)):
                 scores = logits[i]  # [w, vocab]

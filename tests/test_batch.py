@@ -409,7 +409,7 @@ def test_a_batch_prices_layer_tree_levels_by_their_width_and_drafted_nodes_as_dr
 
     def drafted(gains):  # two levels drafted: a pass over the last token (0.5 s), one over three nodes (1.0 s)
         batch = DraftRound([None], [0], [8], session.acceptance, lambda: costs)
-        batch.layer_steps, batch.pass_widths, batch.next_width = 2, [1, 3], 3
+        batch.pass_widths, batch.next_width = [1, 3], 3
         row = batch.drafts[0]
         row.source, row.tokens, row.odds, row.gains = "layers", [7, 8], [0.9, 0.9], gains
         return batch
