@@ -66,13 +66,17 @@ ALL_METHODS = (
     "selfspec-plan-fast",
     "selfspec-plain-hooks",
     "selfspec-plan-hooks",
+    "selfspec-plain-packed",
+    "selfspec-plan-packed",
     "llama-cpp",
 )
 FAST_METHODS = ("hf-static-compile", "selfspec-plain-fast", "selfspec-plan-fast")  # by default on CUDA only
 OPTIONAL_METHODS = ("llama-cpp",)
 # An offloaded model's layers loaded by accelerate's hooks at every call instead of selfspec's stream: asked for by
 # name only (`--methods`), to separate what streaming gives from what drafting gives.
-HOOKS_METHODS = ("selfspec-plain-hooks", "selfspec-plan-hooks")  # in the default run only where llama-cpp-python is installed, on a CPU
+HOOKS_METHODS = ("selfspec-plain-hooks", "selfspec-plan-hooks")
+# `wrap(kernels="packed")`: oneDNN on packed copies of the weights (the weights' bytes again): asked for by name only.
+PACKED_METHODS = ("selfspec-plain-packed", "selfspec-plan-packed")  # in the default run only where llama-cpp-python is installed, on a CPU
 STATIC_CACHE_LENGTH = 2048  # positions of hf-static-compile's one cache: prompt + new tokens must fit
 
 
@@ -189,7 +193,7 @@ HELD = "held"  # `costs=HELD`: each plan's cost table measured once, then inject
 _held_tables = weakref.WeakKeyDictionary()  # model -> {(plan, step, offload_stream): PassCosts}
 
 
-def held_costs(model, plan: DraftPlan, step: str, offload_stream: bool = True):
+def held_costs(model, plan: DraftPlan, step: str, offload_stream: bool = True, kernels: str = "measured"):
     """The plan's cost table as this machine measures it (or its cache holds it), measured once per process and
     then injected: an injected table is never refined by the rounds' timings, so plans compared in one run price
     their passes the same from the first prompt to the last (refined tables part ways with the timing noise, and
@@ -197,17 +201,17 @@ def held_costs(model, plan: DraftPlan, step: str, offload_stream: bool = True):
     if not (plan.drafts and plan.policy == "cost"):
         return None
     tables = _held_tables.setdefault(model, {})
-    key = (repr(plan.to_dict()), step, offload_stream)
+    key = (repr(plan.to_dict()), step, offload_stream, kernels)
     if key not in tables:
-        tables[key] = selfspec.wrap(model, plan=plan, step=step, offload_stream=offload_stream).costs
+        tables[key] = selfspec.wrap(model, plan=plan, step=step, offload_stream=offload_stream, kernels=kernels).costs
     return tables[key]
 
 
 def selfspec_method(name: str, description: str, model, plan: DraftPlan, *, max_new_tokens: int, costs=None,
-                    step: str = "eager", offload_stream: bool = True) -> Method:
+                    step: str = "eager", offload_stream: bool = True, kernels: str = "measured") -> Method:
     if costs == HELD:
-        costs = held_costs(model, plan, step, offload_stream)
-    spec = selfspec.wrap(model, plan=plan, costs=costs, step=step, offload_stream=offload_stream)
+        costs = held_costs(model, plan, step, offload_stream, kernels)
+    spec = selfspec.wrap(model, plan=plan, costs=costs, step=step, offload_stream=offload_stream, kernels=kernels)
 
     def run(input_ids: torch.Tensor, streamer=None) -> tuple[torch.Tensor, PassCounts]:
         out = spec.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, streamer=streamer)
@@ -264,6 +268,12 @@ def build_method(
         return selfspec_method(name, f"selfspec, plan {plan.name or '(unnamed)'}, offloaded layers loaded by "
                                f"accelerate's hooks", model, plan, max_new_tokens=max_new_tokens, costs=costs,
                                offload_stream=False)
+    if name == "selfspec-plain-packed":
+        return selfspec_method(name, "selfspec, no drafting, packed weight copies", model, DraftPlan.plain(),
+                               max_new_tokens=max_new_tokens, kernels="packed")
+    if name == "selfspec-plan-packed":
+        return selfspec_method(name, f"selfspec, plan {plan.name or '(unnamed)'}, packed weight copies", model, plan,
+                               max_new_tokens=max_new_tokens, costs=costs, kernels="packed")
     if name == "llama-cpp":
         from .llama_cpp import llama_cpp_method
 
@@ -298,7 +308,7 @@ def default_methods(plan: DraftPlan | None, device: str = "cpu") -> list[str]:
     with_llama_cpp = device.startswith("cpu") and llama_cpp_installed()
     return [m for m in ALL_METHODS
             if (m != "selfspec-fixed" or with_fixed) and (m not in FAST_METHODS or device.startswith("cuda"))
-            and (m not in OPTIONAL_METHODS or with_llama_cpp) and m not in HOOKS_METHODS]
+            and (m not in OPTIONAL_METHODS or with_llama_cpp) and m not in HOOKS_METHODS + PACKED_METHODS]
 
 
 def llama_cpp_installed() -> bool:

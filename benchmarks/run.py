@@ -77,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plan", type=Path, help="selfspec plan JSON for selfspec-plan (default: the adapter's plan)")
     p.add_argument("--plans", action="append", default=[], metavar="NAME=PLAN.json",
                    help="also run selfspec with this plan as method 'plan:NAME' (repeatable; for ablations)")
+    p.add_argument("--plans-packed", action="store_true",
+                   help="also run each --plans plan on packed weight copies, as 'plan:NAME+packed' "
+                        "(`wrap(kernels=\"packed\")`)")
     p.add_argument("--early-exit-sweep", help="comma list of E for hf-early-exit (default: ~L/5, L/3, L/2)")
     p.add_argument("--sweep-prompts", type=int, default=3, help="prompts the early-exit sweep times (default 3)")
     p.add_argument("--costs", choices=["linear", "flat", "held"],
@@ -265,7 +268,12 @@ def method_names(args: argparse.Namespace, plan) -> list[str]:
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; valid: {', '.join(ALL_METHODS)}")
     names += [f"plan:{name}" for name in extra_plans(args)]
+    if args.plans_packed:
+        names += [f"plan:{name}{PACKED}" for name in extra_plans(args)]
     return [BASELINE] + [n for n in names if n != BASELINE]  # the baseline always runs, first
+
+
+PACKED = "+packed"  # the suffix of an extra plan's method on packed weight copies
 
 
 def extra_plans(args: argparse.Namespace) -> dict[str, Path]:
@@ -296,11 +304,14 @@ def build_methods(names, model, args, plan, exit_layer, prompts, device,
             continue
         try:
             if short.startswith("plan:"):
-                extra = selfspec.DraftPlan.load(plan_files[short[len("plan:"):]])
-                warm_up = build_method("selfspec-plan", max_new_tokens=WARMUP_TOKENS, **{**options, "plan": extra})
-                method = build_method("selfspec-plan", max_new_tokens=args.max_new_tokens, **{**options, "plan": extra})
+                packed = short.endswith(PACKED)
+                extra = selfspec.DraftPlan.load(plan_files[short[len("plan:"):len(short) - len(PACKED) * packed]])
+                base = "selfspec-plan-packed" if packed else "selfspec-plan"
+                warm_up = build_method(base, max_new_tokens=WARMUP_TOKENS, **{**options, "plan": extra})
+                method = build_method(base, max_new_tokens=args.max_new_tokens, **{**options, "plan": extra})
                 method.name = warm_up.name = name
-                method.description = f"selfspec: {method.settings['describe']}"
+                copies = ", packed weight copies" if packed else ""
+                method.description = f"selfspec{copies}: {method.settings['describe']}"
             else:
                 warm_up = build_method(short, max_new_tokens=WARMUP_TOKENS, **options)
                 method = build_method(short, max_new_tokens=args.max_new_tokens, **options)

@@ -3,7 +3,8 @@ machine runs them faster, measured on the model's own shapes.
 
 `AttentionKernels` picks, by queries and cache entries, among sdpa as transformers calls it, `packed` (grouped
 query heads folded into the query length) and `float32` (three plain operations). `LinearKernels` picks, by GEMM
-rows, among `F.linear`, (W x^T)^T, oneDNN's matmul and `aten` (F.linear with oneDNN off).
+rows, among `F.linear`, (W x^T)^T, oneDNN's matmul, `aten` (F.linear with oneDNN off) and, where asked for,
+`packed` (oneDNN on a blocked copy of the weight, `PackedWeights`: the weights' bytes again).
 
 A choice holds in the thread inside `cpu_kernels(...)`, for selfspec's own calls: layers selfspec computes use
 `linear_function()` and `attention_function()`; transformers' modules run under `chosen_kernels(hidden)`, a
@@ -35,9 +36,11 @@ _sdpa = torch.nn.functional.scaled_dot_product_attention  # torch's sdpa
 LINEAR_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 # Another kernel must beat transformers' `F.linear` by this fraction to be kept (timing noise).
 KERNEL_MARGIN = 0.05
-# What a linear layer may run as: transformers' F.linear (the BLAS's x W^T), (W x^T)^T, oneDNN's matmul, or
-# F.linear with oneDNN switched off (torch's own GEMM where torch would hand a 16-bit one to oneDNN).
-LINEAR_KERNELS = ("linear", "transposed", "onednn", "aten")
+# What a linear layer may run as: transformers' F.linear (the BLAS's x W^T), (W x^T)^T, oneDNN's matmul,
+# F.linear with oneDNN switched off (torch's own GEMM where torch would hand a 16-bit one to oneDNN), or oneDNN on
+# a packed copy of the weight (only where the copies were made: `PackedWeights`).
+LINEAR_KERNELS = ("linear", "transposed", "onednn", "aten", "packed")
+COPYLESS_KERNELS = LINEAR_KERNELS[:4]  # the kernels that run on the weight as it is
 # Attention options that change what is computed (a score cap, a position bias, attention sinks): a pass with
 # any of them goes to transformers' own function.
 CHANGED_ATTENTION = ("softcap", "position_bias", "s_aux", "sinks")
@@ -46,22 +49,37 @@ CHANGED_ATTENTION = ("softcap", "position_bias", "s_aux", "sinks")
 @dataclass(frozen=True)
 class LinearKernels:
     """Which kernel the linear layers run for a GEMM of m rows: `kernels[i]` for m in [rows[i], rows[i + 1]),
-    the last one's beyond; "linear" (transformers' `F.linear`) where nothing was measured."""
+    the last one's beyond; "linear" (transformers' `F.linear`) where nothing was measured.
+
+    Where "packed" is chosen, `unpacked[i]` is the fastest kernel that runs on the weight as it is: what a weight
+    with no packed copy in `packed` (a streamed layer, a head's, a weight changed since) runs instead.
+    """
 
     rows: tuple[int, ...] = ()
     kernels: tuple[str, ...] = ()
+    unpacked: tuple[str, ...] = ()  # () where no row count runs "packed"
+    packed: "PackedWeights | None" = field(default=None, repr=False, compare=False)  # the copies "packed" reads
     # The kernel for m = 0 .. rows[-1], looked up on every linear call of a pass (no search there).
     by_rows: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    unpacked_by_rows: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        by_rows = []
-        for m in range(self.rows[-1] + 1 if self.rows else 0):
-            i = bisect.bisect_right(self.rows, m) - 1
-            by_rows.append(self.kernels[i] if i >= 0 else "linear")
-        object.__setattr__(self, "by_rows", tuple(by_rows))
+        if ("packed" in self.kernels) != bool(self.unpacked) or (self.unpacked and len(self.unpacked) != len(self.rows)):
+            raise ValueError(f"a choice that runs 'packed' names the unpacked kernel for each row count: {self}")
+        for name, kernels in (("by_rows", self.kernels), ("unpacked_by_rows", self.unpacked or self.kernels)):
+            by_rows = []
+            for m in range(self.rows[-1] + 1 if self.rows else 0):
+                i = bisect.bisect_right(self.rows, m) - 1
+                by_rows.append(kernels[i] if i >= 0 else "linear")
+            object.__setattr__(self, name, tuple(by_rows))
 
     def __call__(self, m: int) -> str:
         by_rows = self.by_rows
+        return by_rows[m] if m < len(by_rows) else (by_rows[-1] if by_rows else "linear")
+
+    def without_copy(self, m: int) -> str:
+        """The kernel for m rows on a weight with no packed copy."""
+        by_rows = self.unpacked_by_rows
         return by_rows[m] if m < len(by_rows) else (by_rows[-1] if by_rows else "linear")
 
     def __bool__(self) -> bool:  # some row count runs another kernel
@@ -76,18 +94,22 @@ class LinearKernels:
         return "; ".join(f"{KERNEL_NAMES[k]} at GEMM rows {','.join(map(str, ms))}" for k, ms in groups.items())
 
     def to_dict(self) -> dict:
-        return {"rows": list(self.rows), "kernels": list(self.kernels)}
+        data = {"rows": list(self.rows), "kernels": list(self.kernels)}
+        return {**data, "unpacked": list(self.unpacked)} if self.unpacked else data
 
     @classmethod
     def from_dict(cls, data: dict) -> "LinearKernels":
         rows, kernels = tuple(int(m) for m in data["rows"]), tuple(str(k) for k in data["kernels"])
-        if len(rows) != len(kernels) or list(rows) != sorted(set(rows)) or not set(kernels) <= set(LINEAR_KERNELS):
+        unpacked = tuple(str(k) for k in data.get("unpacked", ()))
+        if (len(rows) != len(kernels) or list(rows) != sorted(set(rows)) or not set(kernels) <= set(LINEAR_KERNELS)
+                or not set(unpacked) <= set(COPYLESS_KERNELS)):
             raise ValueError(f"not a choice of linear kernels: {data}")
-        return cls(rows, kernels)
+        return cls(rows, kernels, unpacked)
 
 
 NO_CHANGE = LinearKernels()
-KERNEL_NAMES = {"linear": "F.linear", "transposed": "(W x^T)^T", "onednn": "oneDNN", "aten": "F.linear, oneDNN off"}
+KERNEL_NAMES = {"linear": "F.linear", "transposed": "(W x^T)^T", "onednn": "oneDNN", "aten": "F.linear, oneDNN off",
+                "packed": "oneDNN on packed copies"}
 
 
 def plain_tensor(weight) -> bool:
@@ -139,6 +161,53 @@ def onednn_usable(weight: torch.Tensor) -> bool:
     return bool((out.double() - reference).abs().max() <= tolerance * reference.abs().max().clamp_min(1e-30))
 
 
+class PackedWeights:
+    """oneDNN's blocked copies of linear layers' weights (`torch.ops.mkldnn._reorder_linear_weight`), made once,
+    by weight: what the "packed" kernel multiplies by, so that oneDNN does not reorder the weight at every call.
+    A copy holds the weight's bytes again (`nbytes`). A weight changed in place since it was packed (its version
+    moved) has no copy any more: the unpacked kernel runs it."""
+
+    def __init__(self, modules) -> None:
+        self._copies: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # id -> (weight, version, copy)
+        usable: dict[torch.dtype, bool] = {}
+        for module in modules:
+            if not plain_weight(module) or (module.bias is not None and module.bias.dtype != module.weight.dtype):
+                continue
+            weight = module.weight
+            if id(weight) in self._copies:  # one weight in two modules (tied)
+                continue
+            if weight.dtype not in usable:
+                usable[weight.dtype] = onednn_usable(weight)
+            if usable[weight.dtype] and weight.is_contiguous():
+                with torch.no_grad():
+                    copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+                self._copies[id(weight)] = (weight, weight._version, copy)
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The packed copy of `weight` (this very tensor, unchanged since), or None."""
+        entry = self._copies.get(id(weight))
+        if entry is None or entry[0] is not weight or entry[1] != weight._version:
+            return None
+        return entry[2]
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    @property
+    def nbytes(self) -> int:
+        """The copies' bytes: each packed weight's size again."""
+        return sum(weight.numel() * weight.element_size() for weight, _, _ in self._copies.values())
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` by oneDNN on `packed`, the weight's `PackedWeights` copy: x `[..., in]` ->
+    `[..., out_features]`. Inference only (no autograd)."""
+    flat = x.reshape(-1, x.shape[-1]).contiguous()  # [m, in]
+    out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")  # [m, out]
+    return out.view(*x.shape[:-1], out_features)
+
+
 _switch = threading.Lock()  # held while a thread has oneDNN switched off (`aten_linear`)
 _lock = threading.Lock()
 _aten_threads = 0  # threads inside `cpu_kernels` whose choice runs `aten_linear` somewhere (under `_lock`)
@@ -167,32 +236,42 @@ def aten_differs(weight: torch.Tensor) -> bool:
 KERNELS = {"linear": _linear, "transposed": transposed_linear, "onednn": onednn_linear, "aten": aten_linear}
 
 
-def measure_linear_kernels(modules: list[nn.Module], *, repeats: int = 3) -> LinearKernels:
+def measure_linear_kernels(modules: list[nn.Module], *, repeats: int = 3,
+                           packed: PackedWeights | None = None) -> LinearKernels:
     """Time every plain linear layer of `modules` with each kernel that runs here at each of `LINEAR_ROWS`
     rows (interleaved, the fastest of `repeats`); the fastest is kept where it beats `F.linear` by
-    `KERNEL_MARGIN`."""
+    `KERNEL_MARGIN`. With `packed` (copies of these layers' weights), "packed" is timed too; the choice then
+    holds the copies where some row count runs them."""
     linears = [m for m in modules if plain_weight(m)]
     if not linears:
         return NO_CHANGE
     device, dtype = linears[0].weight.device, linears[0].weight.dtype
-    usable = {"onednn": onednn_usable(linears[0].weight), "aten": aten_differs(linears[0].weight)}
+    usable = {"onednn": onednn_usable(linears[0].weight), "aten": aten_differs(linears[0].weight),
+              "packed": bool(packed) and all(packed.get(layer.weight) is not None for layer in linears)}
     kernels = [k for k in LINEAR_KERNELS if usable.get(k, True)]
     generator = torch.Generator().manual_seed(0)
     inputs = {m: {n: torch.randn(m, n, generator=generator).to(device, dtype)
                   for n in {int(layer.in_features) for layer in linears}} for m in LINEAR_ROWS}
 
-    def all_layers(m: int, kernel) -> callable:
-        return lambda: [kernel(inputs[m][layer.in_features], layer.weight, layer.bias) for layer in linears]
+    def all_layers(m: int, kernel: str) -> callable:
+        if kernel == "packed":
+            return lambda: [packed_linear(inputs[m][layer.in_features], packed.get(layer.weight), layer.out_features,
+                                          layer.bias) for layer in linears]
+        return lambda: [KERNELS[kernel](inputs[m][layer.in_features], layer.weight, layer.bias) for layer in linears]
 
     with torch.no_grad():
-        times = fastest({(m, k): all_layers(m, KERNELS[k]) for m in LINEAR_ROWS for k in kernels},
+        times = fastest({(m, k): all_layers(m, k) for m in LINEAR_ROWS for k in kernels},
                         repeats=repeats, device=device)
 
-    def best(m: int) -> str:
-        kernel = min(kernels, key=lambda k: times[m, k])
+    def best(m: int, among: list[str]) -> str:
+        kernel = min(among, key=lambda k: times[m, k])
         return kernel if times[m, kernel] < times[m, "linear"] * (1 - KERNEL_MARGIN) else "linear"
 
-    return LinearKernels(LINEAR_ROWS, tuple(best(m) for m in LINEAR_ROWS))
+    chosen = tuple(best(m, kernels) for m in LINEAR_ROWS)
+    if "packed" not in chosen:
+        return LinearKernels(LINEAR_ROWS, chosen)
+    unpacked = tuple(best(m, [k for k in kernels if k != "packed"]) for m in LINEAR_ROWS)
+    return LinearKernels(LINEAR_ROWS, chosen, unpacked, packed)
 
 
 # --------------------------------------------------------------------------- this thread's choice
@@ -204,19 +283,30 @@ def chosen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """`F.linear`, by the kernel this thread's `LinearKernels` chose for x's row count (on every linear call of
     a pass: the common case, F.linear, is decided first)."""
     choice = getattr(_state, "linear", NO_CHANGE)
-    kernel = choice(x.numel() // x.shape[-1]) if x.dim() >= 2 and x.shape[-1] else "linear"
+    rows = x.numel() // x.shape[-1] if x.dim() >= 2 and x.shape[-1] else 0
+    kernel = choice(rows) if rows else "linear"
     if kernel != "linear" and (x.device.type != "cpu" or x.dtype != weight.dtype or not plain_tensor(weight)):
         kernel = "linear"  # checked only when another kernel is chosen: most calls of a pass are F.linear's
+    copy = None
+    if kernel == "packed":  # the weight's packed copy, where it has one and oneDNN's op can take the call
+        copy = choice.packed.get(weight) if choice.packed is not None else None
+        if (copy is None or (bias is not None and bias.dtype != weight.dtype)
+                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+            kernel, copy = choice.without_copy(rows), None
     if kernel == "aten":
         return aten_linear(x, weight, bias)
     if _aten_threads:  # some thread may switch oneDNN off (`aten_linear`): not in the middle of this call
         with _switch:
-            return run_linear(kernel, x, weight, bias)
-    return run_linear(kernel, x, weight, bias)
+            return run_linear(kernel, x, weight, bias, copy)
+    return run_linear(kernel, x, weight, bias, copy)
 
 
-def run_linear(kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear` by `kernel` ("linear", "transposed" or "onednn"; oneDNN's op has no backward: F.linear's then)."""
+def run_linear(kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               copy: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` by `kernel` ("linear", "transposed", "onednn", or "packed" on the weight's packed `copy`;
+    oneDNN's op has no backward: F.linear's then)."""
+    if copy is not None:
+        return packed_linear(x, copy, weight.shape[0], bias)
     if kernel == "transposed":
         return transposed_linear(x, weight, bias)
     if (kernel == "onednn" and weight.dtype in ONEDNN_DTYPES and weight.is_contiguous()

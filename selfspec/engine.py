@@ -86,7 +86,10 @@ def wrap(
     `kernels` (the CPU's): "measured", the attention and linear kernels
     that run fastest here (`cpu_kernels.py`; the same sums in another order,
     so a low-precision output may part from `model.generate`'s at a rounding
-    near-tie even with drafting off); "transformers", its own functions
+    near-tie even with drafting off); "packed", those and oneDNN on packed
+    copies of the resident linear weights where that is faster (a wide pass
+    then costs little more than a narrow one; the copies hold the weights'
+    bytes again, shown by `memory()`); "transformers", its own functions
     throughout (drafting off then computes exactly what `model.generate` does).
     `reproducible` (True): every call decides its drafts from its input tokens
     and a cost table fixed for the wrapper (loaded from disk as measured, never
@@ -243,7 +246,8 @@ class SelfSpecModel:
         return table
 
     def memory(self, *, context: int | None = None) -> MemoryReport:
-        """Bytes held: weights as stored, the KV cache for `context` positions, the plan's head and vocabulary.
+        """Bytes held: weights as stored, the KV cache for `context` positions, the plan's head and vocabulary, and
+        the packed weight copies the passes run (`kernels="packed"`, once measured).
 
         `context`: positions the cache holds (default: the model's context,
         `max_position_embeddings`; a generation holds prompt + max_new_tokens +
@@ -255,7 +259,7 @@ class SelfSpecModel:
                 raise ValueError("this model's config has no max_position_embeddings: pass context=N (positions)")
         vocab = () if self.vocab is None else (self.vocab.weight, self.vocab.bias, self.vocab.ids)
         return memory_report(self.model, self.parts, context=context, head=self.head, vocab_tensors=vocab,
-                             quantization=self.quantization)
+                             quantization=self.quantization, packed_bytes=self.kernel_choice.packed_bytes())
 
     def linear_kernels(self) -> LinearKernels:
         """How the linear layers run their passes here (`kernel_choice.py`)."""

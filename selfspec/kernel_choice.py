@@ -4,7 +4,9 @@
 per machine, model, dtype and thread count, and caches each choice on disk
 in the cost tables' folder (`kernels/`). Off the CPU, for a quantized model,
 under another attention than sdpa, or with `choice="transformers"`, it
-chooses nothing: transformers' own functions run.
+chooses nothing: transformers' own functions run. With `choice="packed"` it
+also makes oneDNN's packed copies of the resident linear weights and times
+them; the copies (the weights' bytes again) are kept only where they win.
 
 It knows the model's shapes and the disk cache; it does not know plans,
 cost tables or when a pass runs.
@@ -12,16 +14,19 @@ cost tables or when a pass runs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .artifacts import model_identity
 from .costs import cache_key, costs_cache_dir, load_or_measure, machine_description
-from .cpu_kernels import (LINEAR_KERNELS, NO_ATTENTION_CHANGE, NO_CHANGE, AttentionKernels, LinearKernels, cpu_kernels,
-                          measure_attention_kernels, measure_linear_kernels)
+from .cpu_kernels import (COPYLESS_KERNELS, LINEAR_KERNELS, NO_ATTENTION_CHANGE, NO_CHANGE, AttentionKernels,
+                          LinearKernels, PackedWeights, cpu_kernels, measure_attention_kernels, measure_linear_kernels)
 from .parts import ModelParts, text_config
 
-# How the CPU's passes run (`wrap(kernels=...)`): the kernels measured fastest here, or transformers' own.
-KERNEL_CHOICES = ("measured", "transformers")
+# How the CPU's passes run (`wrap(kernels=...)`): the kernels measured fastest here, those and packed copies of the
+# weights (more memory), or transformers' own.
+KERNEL_CHOICES = ("measured", "packed", "transformers")
 
 
 def check_choice(choice: str) -> None:
@@ -36,6 +41,7 @@ class KernelChoice:
         check_choice(choice)
         self.model, self.parts, self.quantization, self.choice = model, parts, quantization, choice
         self.linear_choices: dict[int, LinearKernels] = {}  # by threads: the linear layers' kernels
+        self._packed: PackedWeights | None = None  # `choice="packed"`: the copies, shared by the thread counts
         self.attention_choices: dict[int, AttentionKernels] = {}  # by threads: the attention kernel, likewise
 
     def linear(self) -> LinearKernels:
@@ -45,15 +51,31 @@ class KernelChoice:
             return NO_CHANGE
         threads = torch.get_num_threads()
         if threads not in self.linear_choices:
-            key = cache_key(kind="linear kernels", candidates=list(LINEAR_KERNELS),  # a new kernel: timed afresh
+            candidates = LINEAR_KERNELS if self.choice == "packed" else COPYLESS_KERNELS
+            key = cache_key(kind="linear kernels", candidates=list(candidates),  # a new kernel: timed afresh
                             model=model_identity(self.model, self.parts),
                             dtype=str(self.parts.dtype), threads=threads, machine=machine_description(self.parts.device))
             modules = [*self.parts.layers.modules(), self.parts.lm_head]
+            packed = self.packed_weights(modules) if self.choice == "packed" else None
             folder = costs_cache_dir()  # beside the cost tables, in a folder of its own
-            self.linear_choices[threads] = load_or_measure(None if folder is None else folder / "kernels", key,
-                                                           lambda: measure_linear_kernels(modules),
-                                                           kind=LinearKernels)
+            choice = load_or_measure(None if folder is None else folder / "kernels", key,
+                                     lambda: measure_linear_kernels(modules, packed=packed), kind=LinearKernels)
+            if "packed" in choice.kernels and choice.packed is None:  # read from disk: the copies made here
+                choice = dataclasses.replace(choice, packed=packed)
+            self.linear_choices[threads] = choice
+            if not any(c.packed is not None for c in self.linear_choices.values()):
+                self._packed = None  # no row count runs them: the copies go
         return self.linear_choices[threads]
+
+    def packed_weights(self, modules) -> PackedWeights:
+        """oneDNN's packed copies of `modules`' resident linear weights, made once for every thread count."""
+        if self._packed is None:
+            self._packed = PackedWeights(modules)
+        return self._packed
+
+    def packed_bytes(self) -> int:
+        """The bytes the packed copies the passes run hold (0 where none is kept)."""
+        return sum({id(c.packed): c.packed.nbytes for c in self.linear_choices.values() if c.packed}.values())
 
     def attention(self) -> AttentionKernels:
         """Which attention kernel the passes run here, by queries and cache entries: measured once per machine,

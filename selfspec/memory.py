@@ -47,10 +47,11 @@ class MemoryReport:
     offloaded_bytes: int = 0  # of the weights: those held outside fast memory between calls (accelerate's offload)
     offloaded_layers: tuple[int, ...] = ()  # the decoder layers they belong to
     slot_bytes: int = 0  # the two layer slots selfspec streams offloaded layers through (`streaming.py`)
+    packed_bytes: int = 0  # oneDNN's packed copies of weights the passes run (`wrap(kernels="packed")`)
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.kv_cache_bytes + self.head_bytes + self.vocab_bytes
+        return self.weight_bytes + self.kv_cache_bytes + self.head_bytes + self.vocab_bytes + self.packed_bytes
 
     @property
     def resident_bytes(self) -> int:
@@ -66,6 +67,8 @@ class MemoryReport:
             line += f", exit head {self.head_bytes / MIB:.1f} MiB"
         if self.vocab_bytes:
             line += f", draft vocabulary {self.vocab_bytes / MIB:.1f} MiB"
+        if self.packed_bytes:
+            line += f", packed weight copies {self.packed_bytes / MIB:.1f} MiB"
         line += f"; {self.total_bytes / MIB:.1f} MiB in all"
         if self.offloaded_layers:
             line += (f"; offloaded: layers {describe_layers(self.offloaded_layers)} "
@@ -109,7 +112,8 @@ def kv_cache_bytes(parts: ModelParts, config, *, context: int, extra_layers: int
 
 
 def memory_report(model: nn.Module, parts: ModelParts, *, context: int, head: nn.Module | None = None,
-                  vocab_tensors: tuple[torch.Tensor | None, ...] = (), quantization: str | None = None) -> MemoryReport:
+                  vocab_tensors: tuple[torch.Tensor | None, ...] = (), quantization: str | None = None,
+                  packed_bytes: int = 0) -> MemoryReport:
     if context < 1:
         raise ValueError(f"context={context} out of range (valid: an integer >= 1)")
     offloaded = offloaded_layers(parts.layers)
@@ -124,6 +128,7 @@ def memory_report(model: nn.Module, parts: ModelParts, *, context: int, head: nn
         offloaded_bytes=parameter_bytes([parts.layers[i] for i in offloaded]),
         offloaded_layers=offloaded,
         slot_bytes=parts.stream.slot_bytes() if parts.stream else 0,
+        packed_bytes=packed_bytes,
     )
 
 

@@ -407,6 +407,21 @@ def test_generate_on_the_static_step(tiny_folder, capsys):
     assert "step: static" in out and "outputs identical: yes" in out
 
 
+def test_kernels_reach_wrap_and_name_the_engines_choices(tiny_folder, capsys, monkeypatch):
+    from selfspec.cli import build_parser, common
+    from selfspec.kernel_choice import KERNEL_CHOICES
+
+    assert common.KERNEL_CHOICES == KERNEL_CHOICES  # the CLI names them without importing torch
+    seen = []
+    wrap = selfspec.wrap
+    monkeypatch.setattr(selfspec, "wrap", lambda *a, **k: (seen.append(k["kernels"]), wrap(*a, **k))[1])
+    args = ["generate", "--model", str(tiny_folder), "--max-new-tokens", "8", "--kernels", "packed", "--compare", "hi"]
+    assert main(args) == 0
+    assert "outputs identical: yes" in capsys.readouterr().out and seen == ["packed"]
+    assert build_parser().parse_args(["serve", "m"]).kernels == "measured"
+    assert build_parser().parse_args(["serve", "m", "--kernels", "transformers"]).kernels == "transformers"
+
+
 @pytest.mark.parametrize("command", [["generate", "hi"], ["costs"]])
 def test_graphs_step_on_a_cpu_is_a_one_line_error_before_loading(monkeypatch, command, capsys):
     monkeypatch.setattr(selfspec, "load", lambda *a, **k: pytest.fail("loaded a model for a refused --step"))

@@ -6,6 +6,7 @@ in selfspec's calls of the thread that chose it (no function is swapped), and gr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 
 import pytest
@@ -14,10 +15,11 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import selfspec
 from selfspec import cpu_kernels
-from selfspec.cpu_kernels import (ATTENTION_FUNCTIONS, ATTENTION_QUERIES, LINEAR_KERNELS, LINEAR_ROWS,
-                                  NO_ATTENTION_CHANGE, NO_CHANGE, AttentionKernels, LinearKernels, chosen_attention,
-                                  chosen_kernels, chosen_linear, measure_attention_kernels, measure_linear_kernels,
-                                  onednn_linear, onednn_usable, sdpa_attention, transposed_linear)
+from selfspec.cpu_kernels import (ATTENTION_FUNCTIONS, ATTENTION_QUERIES, COPYLESS_KERNELS, LINEAR_KERNELS,
+                                  LINEAR_ROWS, NO_ATTENTION_CHANGE, NO_CHANGE, AttentionKernels, LinearKernels,
+                                  PackedWeights, chosen_attention, chosen_kernels, chosen_linear,
+                                  measure_attention_kernels, measure_linear_kernels, onednn_linear, onednn_usable,
+                                  packed_linear, sdpa_attention, transposed_linear)
 from selfspec.testing import TINY_CONFIGS, random_prompt, tiny_model
 
 ARCHS = sorted(TINY_CONFIGS)
@@ -250,6 +252,48 @@ def test_onednn_linear_computes_what_linear_computes_in_float32():
     assert not onednn_usable(weight.T)  # a weight it would have to copy
 
 
+def test_packed_copies_compute_what_linear_computes_and_a_weight_changed_since_has_none():
+    generator = torch.Generator().manual_seed(0)
+    layers = [torch.nn.Linear(40, 24), torch.nn.Linear(40, 24, bias=False)]
+    tied = torch.nn.Linear(40, 24, bias=False)
+    tied.weight = layers[1].weight  # one weight in two modules: one copy
+    packed = PackedWeights([*layers, tied, torch.nn.LayerNorm(40), torch.nn.Linear(3, 2).double()])
+    assert len(packed) == 2 and packed.nbytes == 2 * 24 * 40 * 4  # float64 has no oneDNN matmul: not packed
+    x = torch.randn(2, 3, 40, generator=generator)
+    with torch.no_grad():
+        for layer in layers:
+            out = packed_linear(x, packed.get(layer.weight), 24, layer.bias)
+            assert out.shape == (2, 3, 24)
+            torch.testing.assert_close(out, layer(x), rtol=0, atol=1e-5)
+        assert packed.get(torch.randn(24, 40)) is None  # a weight it never packed
+        layers[0].weight.mul_(2)  # changed in place: the copy would be stale
+    assert packed.get(layers[0].weight) is None and packed.get(layers[1].weight) is not None
+
+
+def test_the_packed_kernel_runs_a_weights_copy_else_the_kernel_measured_without_copies(monkeypatch):
+    ran = []
+    for name in ("packed_linear", "transposed_linear"):
+        real = getattr(cpu_kernels, name)
+        monkeypatch.setattr(cpu_kernels, name, lambda *a, real=real, name=name: ran.append(name) or real(*a))
+    layer, other = torch.nn.Linear(6, 5), torch.nn.Linear(6, 5)
+    n = len(LINEAR_ROWS)
+    choice = LinearKernels(LINEAR_ROWS, ("packed",) * n, ("transposed",) * n, PackedWeights([layer]))
+    with cpu_kernels.cpu_kernels(linear=choice):
+        linear = cpu_kernels.linear_function()
+        with torch.no_grad():
+            torch.testing.assert_close(linear(torch.ones(3, 6), layer.weight, layer.bias), layer(torch.ones(3, 6)))
+            linear(torch.ones(3, 6), other.weight, other.bias)  # no copy: the unpacked kernel
+        assert ran == ["packed_linear", "transposed_linear"]
+        x = torch.randn(3, 6, requires_grad=True)
+        linear(x, layer.weight).sum().backward()  # training: oneDNN's op has no backward
+        assert ran[-1] == "transposed_linear" and x.grad is not None
+    unattached = LinearKernels(LINEAR_ROWS, ("packed",) * n, ("transposed",) * n)  # read from disk, no copies
+    ran.clear()
+    with cpu_kernels.cpu_kernels(linear=unattached), torch.no_grad():
+        cpu_kernels.linear_function()(torch.ones(2, 6), layer.weight)
+    assert ran == ["transposed_linear"]
+
+
 def test_onednn_is_chosen_only_where_it_can_run_and_autograd_goes_to_f_linear(monkeypatch):
     ran = []
     real = cpu_kernels.onednn_linear
@@ -282,6 +326,15 @@ def test_a_choice_covers_the_rows_between_its_measured_ones_and_the_last_one_bey
         LinearKernels.from_dict({"rows": [4, 2], "kernels": ["transposed", "linear"]})
     with pytest.raises(ValueError, match="not a choice of linear kernels"):
         LinearKernels.from_dict({"rows": [1], "kernels": ["fast"]})
+    packed = LinearKernels((1, 4), ("aten", "packed"), ("aten", "onednn"))
+    assert [packed(m) for m in (1, 3, 4, 9)] == ["aten", "aten", "packed", "packed"]
+    assert [packed.without_copy(m) for m in (1, 3, 4, 9)] == ["aten", "aten", "onednn", "onednn"]
+    assert LinearKernels.from_dict(packed.to_dict()) == packed and packed.to_dict()["unpacked"] == ["aten", "onednn"]
+    assert packed.describe() == "F.linear, oneDNN off at GEMM rows 1; oneDNN on packed copies at GEMM rows 4"
+    with pytest.raises(ValueError, match="names the unpacked kernel for each row count"):
+        LinearKernels((1, 4), ("aten", "packed"))
+    with pytest.raises(ValueError, match="not a choice of linear kernels"):
+        LinearKernels.from_dict({"rows": [1], "kernels": ["packed"], "unpacked": ["packed"]})
 
 
 def linear_in_another_thread(x: torch.Tensor, weight: torch.Tensor, linear: LinearKernels = NO_CHANGE) -> None:
@@ -330,11 +383,33 @@ def test_measuring_times_the_plain_linear_layers_with_every_kernel_that_runs(mon
     timed.clear()
     half = tiny_model("llama", dtype=torch.bfloat16)
     measure_linear_kernels(list(half.modules()), repeats=1)
-    assert {k for _, k in timed} == set(LINEAR_KERNELS)  # bfloat16: torch hands it to oneDNN, or runs its own
+    assert {k for _, k in timed} == set(COPYLESS_KERNELS)  # bfloat16: torch hands it to oneDNN, or runs its own
     timed.clear()
     with onednn_switched_off():  # by the user: F.linear already runs torch's own
         measure_linear_kernels(list(half.modules()), repeats=1)
     assert {k for _, k in timed} == {"linear", "transposed", "onednn"}
+    timed.clear()
+    modules = [*parts.layers.modules(), parts.lm_head]
+    packed = PackedWeights(modules)
+    choice = measure_linear_kernels(modules, repeats=1, packed=packed)
+    assert {k for _, k in timed} == {"linear", "transposed", "onednn", "packed"}
+    assert (choice.packed is packed) == ("packed" in choice.kernels)  # the copies held only where they run
+    assert set(choice.unpacked) <= set(COPYLESS_KERNELS)
+
+
+def test_a_measured_choice_holds_the_copies_where_packed_wins_and_names_the_kernel_without_them(monkeypatch):
+    model = tiny_model("llama", dtype=torch.float32)
+    parts = selfspec.wrap(model).parts
+    modules = [*parts.layers.modules(), parts.lm_head]
+    # Timings where the packed copies win from 4 rows on, and (W x^T)^T is the best of the rest from 8.
+    fake = {"linear": 10.0, "transposed": 9.0, "onednn": 9.8, "packed": 1.0}
+    monkeypatch.setattr(cpu_kernels, "fastest", lambda runs, **kw: {
+        (m, k): (fake[k] if (k != "packed" or m >= 4) and (k != "transposed" or m >= 8) else 20.0)
+        for m, k in runs})
+    packed = PackedWeights(modules)
+    choice = measure_linear_kernels(modules, repeats=1, packed=packed)
+    assert choice.packed is packed and [choice(m) for m in (1, 3, 4, 64)] == ["linear", "linear", "packed", "packed"]
+    assert [choice.without_copy(m) for m in (4, 8, 64)] == ["linear", "transposed", "transposed"]
 
 
 @contextlib.contextmanager
@@ -375,20 +450,26 @@ def test_aten_switches_onednn_off_for_its_call_alone_and_other_threads_wait(monk
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("kernel", ["transposed", "onednn", "aten"])
+@pytest.mark.parametrize("kernel", ["transposed", "onednn", "aten", "packed"])
 def test_greedy_output_stays_equal_with_every_pass_on_another_linear_kernel(arch, kernel, monkeypatch):
     """Every linear layer of every pass (prefills included) transposed or with oneDNN off, in float64, or by
-    oneDNN, in float32 (it has no float64), with the attention kernels measured here: greedy output
-    token-identical to `model.generate`, one sequence (layer drafts and n-gram proposals) and a batch."""
+    oneDNN (on the weight or a packed copy), in float32 (it has no float64), with the attention kernels measured
+    here: greedy output token-identical to `model.generate`, one sequence (layer drafts and n-gram proposals)
+    and a batch."""
     ran = []
     name = f"{kernel}_linear"
     real = getattr(cpu_kernels, name)
     monkeypatch.setattr(cpu_kernels, name, lambda *a: ran.append(1) or real(*a))
-    model = tiny_model(arch, dtype=torch.float32 if kernel == "onednn" else torch.float64)
+    model = tiny_model(arch, dtype=torch.float32 if kernel in ("onednn", "packed") else torch.float64)
     num_layers = model.config.get_text_config().num_hidden_layers
     plan = selfspec.DraftPlan(layers=tuple(range(num_layers // 2)), draft_length=4, ngram=2, policy="fixed")
     spec = selfspec.wrap(model, plan=plan)
-    choice = LinearKernels(LINEAR_ROWS, (kernel,) * len(LINEAR_ROWS))
+    n = len(LINEAR_ROWS)
+    if kernel == "packed":  # every layer's weight and the LM head's packed
+        copies = PackedWeights([*spec.parts.layers.modules(), spec.parts.lm_head])
+        choice = LinearKernels(LINEAR_ROWS, (kernel,) * n, ("linear",) * n, copies)
+    else:
+        choice = LinearKernels(LINEAR_ROWS, (kernel,) * n)
     spec.kernel_choice.linear_choices[torch.get_num_threads()] = choice
     prompts = [random_prompt(n, seed=n) for n in (7, 12)]
     for prompt in prompts:
@@ -473,5 +554,35 @@ def test_kernels_transformers_runs_transformers_own_functions_and_a_bad_choice_i
                                                                                  max_new_tokens=12))
     assert not (tmp_path / "kernels").exists()  # nothing was measured
     assert selfspec.wrap(model).kernel_choice.choice == "measured"
-    with pytest.raises(ValueError, match="kernels must be one of 'measured', 'transformers', got 'fast'"):
+    with pytest.raises(ValueError, match="kernels must be one of 'measured', 'packed', 'transformers', got 'fast'"):
         selfspec.wrap(model, kernels="fast")
+
+
+def test_kernels_packed_keeps_the_copies_only_where_they_win_counts_them_and_caches_its_choice_apart(tmp_path,
+                                                                                                    monkeypatch):
+    monkeypatch.setenv("SELFSPEC_COSTS_CACHE", str(tmp_path))
+    model = tiny_model("llama", dtype=torch.float32)
+    measured = selfspec.wrap(model).linear_kernels()
+    n = len(LINEAR_ROWS)
+    wins = LinearKernels(LINEAR_ROWS, ("linear",) + ("packed",) * (n - 1), ("linear",) * n)
+    monkeypatch.setattr(selfspec.kernel_choice, "measure_linear_kernels",
+                        lambda modules, packed=None: dataclasses.replace(wins, packed=packed))
+    spec = selfspec.wrap(model, kernels="packed")
+    choice = spec.linear_kernels()
+    weights = [m.weight for m in [*spec.parts.layers.modules(), spec.parts.lm_head]
+               if isinstance(m, torch.nn.Linear)]
+    assert choice == wins and choice.packed is not None and all(choice.packed.get(w) is not None for w in weights)
+    assert spec.memory(context=16).packed_bytes == choice.packed.nbytes > 0
+    assert "packed weight copies" in spec.memory(context=16).summary()
+    assert len(list((tmp_path / "kernels").glob("*.json"))) == 2  # apart from the measured kernels' choice
+    again = selfspec.wrap(model, kernels="packed").linear_kernels()  # read from disk: copies made here
+    assert again == wins and again.packed is not None and again.packed is not choice.packed
+    prompt = random_prompt(9, seed=3)
+    assert torch.equal(spec.generate(prompt, max_new_tokens=12), model.generate(prompt, do_sample=False,
+                                                                                 max_new_tokens=12))
+    assert selfspec.wrap(model).linear_kernels() == measured and selfspec.wrap(model).memory(context=16).packed_bytes == 0
+    monkeypatch.setattr(selfspec.kernel_choice, "measure_linear_kernels", lambda modules, packed=None: NO_CHANGE)
+    monkeypatch.setenv("SELFSPEC_COSTS_CACHE", str(tmp_path / "other"))
+    loses = selfspec.wrap(model, kernels="packed")
+    assert loses.linear_kernels() is NO_CHANGE and loses.kernel_choice._packed is None  # the copies went
+    assert loses.memory(context=16).packed_bytes == 0

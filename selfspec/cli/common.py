@@ -17,6 +17,7 @@ from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 QUANTIZE_CHOICES = ("int8", "int4")  # selfspec.quant.QUANTIZE_CHOICES, without importing torch to parse arguments
+KERNEL_CHOICES = ("measured", "packed", "transformers")  # selfspec.kernel_choice.KERNEL_CHOICES, likewise
 
 
 class Parser(argparse.ArgumentParser):
@@ -172,6 +173,10 @@ def add_step_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step", choices=STEPS, default="auto",
                         help="how passes run: auto (CUDA graphs on a GPU, eager elsewhere), eager, static "
                              "(fixed shapes, one read back per round), graphs (static + CUDA graphs; CUDA only)")
+    parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="measured",
+                        help="the CPU's kernels: measured (the fastest here), packed (those and oneDNN on packed "
+                             "copies of the weights where faster: wide passes cost little more than narrow ones, "
+                             "the weights' memory twice), transformers (its own functions)")
 
 
 def add_reproducible_argument(parser: argparse.ArgumentParser) -> None:

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     for dtype in args.dtype:
         model, _ = selfspec.load(args.model, dtype=dtype, device=args.device, verify=args.verify,
                                   quantize=args.quantize)
-        spec = selfspec.wrap(model, plan=args.plan, step=args.step)
+        spec = selfspec.wrap(model, plan=args.plan, step=args.step, kernels=args.kernels)
         costs = spec.measure_costs(cached=False, repeats=args.repeats)
         steps[dtype] = costs.step
         print(f"{args.model}, {dtype}, {costs.machine}")

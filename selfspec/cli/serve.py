@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     model, tokenizer = selfspec.load(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize,
                                      **common.offload_options(args))
-    spec = selfspec.wrap(model, plan=plan, step=args.step, reproducible=args.reproducible,
+    spec = selfspec.wrap(model, plan=plan, step=args.step, kernels=args.kernels, reproducible=args.reproducible,
                          prefix_cache=args.prefix_cache)
     print(f"selfspec: loaded in {time.perf_counter() - began:.1f} s; plan: {spec.describe_plan()}", file=sys.stderr,
           flush=True)
