@@ -164,11 +164,12 @@ def onednn_usable(weight: torch.Tensor) -> bool:
 class PackedWeights:
     """oneDNN's blocked copies of linear layers' weights (`torch.ops.mkldnn._reorder_linear_weight`), made once,
     by weight: what the "packed" kernel multiplies by, so that oneDNN does not reorder the weight at every call.
-    A copy holds the weight's bytes again (`nbytes`). A weight changed in place since it was packed (its version
-    moved) has no copy any more: the unpacked kernel runs it."""
+    A copy holds the weight's bytes again (`nbytes`). A weight changed in place or given other data since it was
+    packed (a streamed layer's slot, a reloaded weight) has no copy any more: the unpacked kernel runs it."""
 
     def __init__(self, modules) -> None:
-        self._copies: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # id -> (weight, version, copy)
+        # id -> (weight, (its version, its data's address) when packed, copy)
+        self._copies: dict[int, tuple[torch.Tensor, tuple[int, int], torch.Tensor]] = {}
         usable: dict[torch.dtype, bool] = {}
         for module in modules:
             if not plain_weight(module) or (module.bias is not None and module.bias.dtype != module.weight.dtype):
@@ -181,12 +182,12 @@ class PackedWeights:
             if usable[weight.dtype] and weight.is_contiguous():
                 with torch.no_grad():
                     copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-                self._copies[id(weight)] = (weight, weight._version, copy)
+                self._copies[id(weight)] = (weight, (weight._version, weight.data_ptr()), copy)
 
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """The packed copy of `weight` (this very tensor, unchanged since), or None."""
+        """The packed copy of `weight` (this very tensor, its data neither changed nor moved since), or None."""
         entry = self._copies.get(id(weight))
-        if entry is None or entry[0] is not weight or entry[1] != weight._version:
+        if entry is None or entry[0] is not weight or entry[1] != (weight._version, weight.data_ptr()):
             return None
         return entry[2]
 

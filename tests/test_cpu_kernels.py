@@ -268,6 +268,8 @@ def test_packed_copies_compute_what_linear_computes_and_a_weight_changed_since_h
         assert packed.get(torch.randn(24, 40)) is None  # a weight it never packed
         layers[0].weight.mul_(2)  # changed in place: the copy would be stale
     assert packed.get(layers[0].weight) is None and packed.get(layers[1].weight) is not None
+    layers[1].weight.data = torch.zeros(24, 40)  # other data, as a streamed slot or a reload gives it
+    assert packed.get(layers[1].weight) is None
 
 
 def test_the_packed_kernel_runs_a_weights_copy_else_the_kernel_measured_without_copies(monkeypatch):

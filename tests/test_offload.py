@@ -39,6 +39,32 @@ def half_offloaded(arch: str, tmp_path: Path):
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "hooks"])
+def test_packed_copies_serve_the_resident_layers_and_the_offloaded_run_without(stream, tmp_path, monkeypatch):
+    """`kernels="packed"` on a half-offloaded float32 model, packed chosen at every row count: the resident
+    weights run their copies, the offloaded ones (their data moves in for each pass) the unpacked kernel; greedy
+    output stays the target's."""
+    from selfspec import cpu_kernels
+    from selfspec.cpu_kernels import LINEAR_ROWS, LinearKernels, PackedWeights
+
+    model = tiny_model("llama", torch.float32)
+    prompt = random_prompt(10, seed=3)
+    expected = model.generate(prompt, do_sample=False, max_new_tokens=24)
+    model = offloaded(model, tmp_path, 1)
+    spec = selfspec.wrap(model, plan=selfspec.DraftPlan(ngram=2, draft_length=3, policy="fixed"),
+                         offload_stream=stream, kernels="packed")
+    copies = PackedWeights([*spec.parts.layers.modules(), spec.parts.lm_head])
+    assert copies and all(copies.get(p) is None for p in spec.parts.layers[1].parameters())  # not the offloaded
+    n = len(LINEAR_ROWS)
+    spec.kernel_choice.linear_choices[torch.get_num_threads()] = LinearKernels(LINEAR_ROWS, ("packed",) * n,
+                                                                               ("linear",) * n, copies)
+    ran = []
+    real = cpu_kernels.packed_linear
+    monkeypatch.setattr(cpu_kernels, "packed_linear", lambda *a: ran.append(1) or real(*a))
+    assert torch.equal(spec.generate(prompt, max_new_tokens=24), expected)
+    assert ran
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "hooks"])
 @pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
 def test_an_offloaded_model_gives_the_targets_greedy_output(arch, stream, tmp_path):
     """Streamed by selfspec (`streaming.py`, the default) or loaded by accelerate's hooks at every call."""
