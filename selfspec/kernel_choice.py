@@ -56,12 +56,15 @@ class KernelChoice:
                             model=model_identity(self.model, self.parts),
                             dtype=str(self.parts.dtype), threads=threads, machine=machine_description(self.parts.device))
             modules = [*self.parts.layers.modules(), self.parts.lm_head]
-            packed = self.packed_weights(modules) if self.choice == "packed" else None
+
+            def measure() -> LinearKernels:  # the copies are made to be timed, or once a choice read runs them
+                packed = self.packed_weights(modules) if self.choice == "packed" else None
+                return measure_linear_kernels(modules, packed=packed)
+
             folder = costs_cache_dir()  # beside the cost tables, in a folder of its own
-            choice = load_or_measure(None if folder is None else folder / "kernels", key,
-                                     lambda: measure_linear_kernels(modules, packed=packed), kind=LinearKernels)
+            choice = load_or_measure(None if folder is None else folder / "kernels", key, measure, kind=LinearKernels)
             if "packed" in choice.kernels and choice.packed is None:  # read from disk: the copies made here
-                choice = dataclasses.replace(choice, packed=packed)
+                choice = dataclasses.replace(choice, packed=self.packed_weights(modules))
             self.linear_choices[threads] = choice
             if not any(c.packed is not None for c in self.linear_choices.values()):
                 self._packed = None  # no row count runs them: the copies go
