@@ -488,6 +488,30 @@ def test_greedy_output_stays_equal_with_every_pass_on_another_linear_kernel(arch
     assert ran  # the passes did run on that kernel
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3"])
+def test_the_static_step_runs_the_packed_copies_and_stays_exact(arch, monkeypatch):
+    """`step="static"` with packed copies at every row count (float32), an early exit and n-gram trees: greedy
+    output token-identical to `model.generate`."""
+    ran = []
+    real = cpu_kernels.packed_linear
+    monkeypatch.setattr(cpu_kernels, "packed_linear", lambda *a: ran.append(1) or real(*a))
+    model = tiny_model(arch, dtype=torch.float32)
+    num_layers = model.config.get_text_config().num_hidden_layers
+    n = len(LINEAR_ROWS)
+    for plan in (selfspec.DraftPlan(exit_layer=num_layers // 2, draft_length=4, ngram=2, policy="fixed"),
+                 selfspec.DraftPlan(ngram=2, tree=6, recycle=True, draft_length=4, policy="fixed")):
+        spec = selfspec.wrap(model, plan=plan, step="static", kernels="packed")
+        copies = PackedWeights([*spec.parts.layers.modules(), spec.parts.lm_head])
+        spec.kernel_choice.linear_choices[torch.get_num_threads()] = LinearKernels(LINEAR_ROWS, ("packed",) * n,
+                                                                                   ("linear",) * n, copies)
+        for seed, length in ((1, 7), (2, 15)):
+            prompt = random_prompt(length, seed=seed)
+            ref = model.generate(prompt, do_sample=False, max_new_tokens=24)
+            assert torch.equal(spec.generate(prompt, max_new_tokens=24), ref)
+            assert spec.last_stats.step == "static"
+    assert ran
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("kernel", ["packed", "float32"])
 def test_greedy_output_stays_equal_with_every_pass_on_another_attention_kernel(arch, kernel, monkeypatch):
