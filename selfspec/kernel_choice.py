@@ -15,6 +15,7 @@ cost tables or when a pass runs.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 
@@ -43,6 +44,10 @@ class KernelChoice:
         self.linear_choices: dict[int, LinearKernels] = {}  # by threads: the linear layers' kernels
         self._packed: PackedWeights | None = None  # `choice="packed"`: the copies, shared by the thread counts
         self.attention_choices: dict[int, AttentionKernels] = {}  # by threads: the attention kernel, likewise
+        if choice == "packed" and (parts.device.type != "cpu" or quantization is not None):
+            where = f"an {quantization}-quantized model" if quantization else f"a model on {parts.device.type}"
+            warnings.warn(f"kernels='packed' packs the weights of CPU passes; {where} runs its own kernels, "
+                          f"nothing is packed", stacklevel=4)  # the caller of wrap()
 
     def linear(self) -> LinearKernels:
         """How the linear layers run their passes here: measured once per machine, model, dtype and thread count

@@ -607,6 +607,8 @@ def test_kernels_packed_keeps_the_copies_only_where_they_win_counts_them_and_cac
     assert torch.equal(spec.generate(prompt, max_new_tokens=12), model.generate(prompt, do_sample=False,
                                                                                  max_new_tokens=12))
     assert selfspec.wrap(model).linear_kernels() == measured and selfspec.wrap(model).memory(context=16).packed_bytes == 0
+    with pytest.warns(UserWarning, match="an int8-quantized model runs its own kernels, nothing is packed"):
+        selfspec.kernel_choice.KernelChoice(model, spec.parts, quantization="int8", choice="packed")
     monkeypatch.setattr(selfspec.kernel_choice, "measure_linear_kernels", lambda modules, packed=None: NO_CHANGE)
     monkeypatch.setenv("SELFSPEC_COSTS_CACHE", str(tmp_path / "other"))
     loses = selfspec.wrap(model, kernels="packed")
