@@ -219,7 +219,7 @@ def selfspec_method(name: str, description: str, model, plan: DraftPlan, *, max_
         counts = PassCounts(stats.verify_passes, stats.drafted, stats.accepted, stats.as_dict())
         return out, counts
 
-    settings = {"plan": plan.to_dict(), "describe": spec.describe_plan(), "step": step,
+    settings = {"plan": plan.to_dict(), "describe": spec.describe_plan(), "step": step, "kernel choice": kernels,
                 "kernels": f"linear layers {spec.linear_kernels().describe()}; "
                            f"attention {spec.attention_kernels().describe()}"}
     if plan.drafts and plan.policy == "cost":

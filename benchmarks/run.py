@@ -223,14 +223,17 @@ def variant_label(args: argparse.Namespace, variant: Variant) -> str | None:
 
 def per_variant(methods: list[Method], setting: str, with_variants: bool) -> str:
     """A setting of the selfspec methods (the pass costs, the CPU kernels: a quantized model has its own), the
-    first method's per variant: one line, or one per variant; "-" when none has it."""
+    first method's per variant and kernel choice (packed copies have their own): one line, or one per group;
+    "-" when none has it."""
     found = {}
     for m in methods:
         if setting in m.settings:
-            found.setdefault(split_method_name(m.name)[0] if with_variants else None, m.settings[setting])
+            labels = [split_method_name(m.name)[0] if with_variants else None,
+                      "packed copies" if m.settings.get("kernel choice") == "packed" else None]
+            found.setdefault(", ".join(label for label in labels if label), m.settings[setting])
     if not found:
         return "-"
-    return " | ".join(value if variant is None else f"{variant}: {value}" for variant, value in found.items())
+    return " | ".join(f"{group}: {value}" if group else value for group, value in found.items())
 
 
 def variant_memory(args, models: dict, plan, prompts: list[Prompt]) -> dict[str, dict]:

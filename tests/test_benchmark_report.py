@@ -335,3 +335,18 @@ def test_held_costs_are_measured_once_per_plan_and_never_refined(tmp_path, monke
     selfspec_method("selfspec-fixed", "", model, dataclasses.replace(plan, policy="fixed"), max_new_tokens=12,
                     costs=HELD)
     assert [costs for costs, _ in wrapped] == [None]
+
+
+def test_the_header_gives_each_variant_and_kernel_choice_its_own_costs_and_kernels():
+    from benchmarks.methods import Method
+
+    def method(name: str, costs: str, choice: str = "measured") -> Method:
+        return Method(name, "", lambda *a: None, settings={"costs": costs, "kernel choice": choice})
+
+    plain = [method("selfspec-plan", "A"), method("plan:x", "B"), method("selfspec-plan-packed", "C", "packed"),
+             Method("hf-greedy", "", lambda *a: None)]
+    assert run.per_variant(plain, "costs", False) == "A | packed copies: C"  # the first of each group
+    variants = [method("bfloat16/selfspec-plan", "A"), method("bfloat16+int8/selfspec-plan", "D"),
+                method("bfloat16/selfspec-plan-packed", "C", "packed")]
+    assert run.per_variant(variants, "costs", True) == "bfloat16: A | bfloat16+int8: D | bfloat16, packed copies: C"
+    assert run.per_variant(plain[3:], "costs", False) == "-"
