@@ -71,12 +71,12 @@ ALL_METHODS = (
     "llama-cpp",
 )
 FAST_METHODS = ("hf-static-compile", "selfspec-plain-fast", "selfspec-plan-fast")  # by default on CUDA only
-OPTIONAL_METHODS = ("llama-cpp",)
+OPTIONAL_METHODS = ("llama-cpp",)  # in the default run only where llama-cpp-python is installed, on a CPU
 # An offloaded model's layers loaded by accelerate's hooks at every call instead of selfspec's stream: asked for by
 # name only (`--methods`), to separate what streaming gives from what drafting gives.
 HOOKS_METHODS = ("selfspec-plain-hooks", "selfspec-plan-hooks")
 # `wrap(kernels="packed")`: oneDNN on packed copies of the weights (the weights' bytes again): asked for by name only.
-PACKED_METHODS = ("selfspec-plain-packed", "selfspec-plan-packed")  # in the default run only where llama-cpp-python is installed, on a CPU
+PACKED_METHODS = ("selfspec-plain-packed", "selfspec-plan-packed")
 STATIC_CACHE_LENGTH = 2048  # positions of hf-static-compile's one cache: prompt + new tokens must fit
 
 
@@ -190,7 +190,7 @@ def fast_step(model) -> str:
 
 
 HELD = "held"  # `costs=HELD`: each plan's cost table measured once, then injected (`held_costs`)
-_held_tables = weakref.WeakKeyDictionary()  # model -> {(plan, step, offload_stream): PassCosts}
+_held_tables = weakref.WeakKeyDictionary()  # model -> {(plan, step, offload_stream, kernels): PassCosts}
 
 
 def held_costs(model, plan: DraftPlan, step: str, offload_stream: bool = True, kernels: str = "measured"):

@@ -74,13 +74,11 @@ class LinearKernels:
             object.__setattr__(self, name, tuple(by_rows))
 
     def __call__(self, m: int) -> str:
-        by_rows = self.by_rows
-        return by_rows[m] if m < len(by_rows) else (by_rows[-1] if by_rows else "linear")
+        return _by_rows(self.by_rows, m)
 
     def without_copy(self, m: int) -> str:
         """The kernel for m rows on a weight with no packed copy."""
-        by_rows = self.unpacked_by_rows
-        return by_rows[m] if m < len(by_rows) else (by_rows[-1] if by_rows else "linear")
+        return _by_rows(self.unpacked_by_rows, m)
 
     def __bool__(self) -> bool:  # some row count runs another kernel
         return any(kernel != "linear" for kernel in self.kernels)
@@ -105,6 +103,11 @@ class LinearKernels:
                 or not set(unpacked) <= set(COPYLESS_KERNELS)):
             raise ValueError(f"not a choice of linear kernels: {data}")
         return cls(rows, kernels, unpacked)
+
+
+def _by_rows(by_rows: tuple[str, ...], m: int) -> str:
+    """The kernel for m rows in a table by row count: the last one's beyond it, F.linear where it is empty."""
+    return by_rows[m] if m < len(by_rows) else (by_rows[-1] if by_rows else "linear")
 
 
 NO_CHANGE = LinearKernels()
