@@ -10,8 +10,10 @@ chose (`cpu_kernels.py`; none swapped for anyone else). Nothing here keeps state
 from __future__ import annotations
 
 import functools
+import importlib
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -59,10 +61,10 @@ def llama_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, posit
     not exactly that structure (another class, a quantized or hooked
     linear, a norm of another kind, training mode) runs its own forward.
     """
-    if layer.training or not _plain_llama(layer):
+    llama = _family("llama")
+    if layer.training or not _plain(layer, llama):
         return decoder_layer(layer, hidden, mask=mask, position_embeddings=position_embeddings,
                              position_ids=position_ids, cache=cache)
-    llama = _llama()
     linear = linear_function()
     attn, mlp = layer.self_attn, layer.mlp
     residual = hidden
@@ -72,9 +74,9 @@ def llama_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, posit
     key = linear(hidden, attn.k_proj.weight, attn.k_proj.bias).view(shape).transpose(1, 2)
     value = linear(hidden, attn.v_proj.weight, attn.v_proj.bias).view(shape).transpose(1, 2)
     cos, sin = position_embeddings
-    query, key = llama.apply_rotary_pos_emb(query, key, cos, sin)
+    query, key = llama.module.apply_rotary_pos_emb(query, key, cos, sin)
     key, value = cache.update(key, value, attn.layer_idx)
-    attention = attention_function(attn.config._attn_implementation, llama.eager_attention_forward)
+    attention = attention_function(attn.config._attn_implementation, llama.module.eager_attention_forward)
     out, _ = attention(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling, position_ids=position_ids,
                        use_cache=True)
     out = out.reshape(*hidden.shape[:-1], -1).contiguous()
@@ -87,6 +89,45 @@ def llama_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, posit
     return residual + hidden
 
 
+def gemma3_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, position_ids, cache) -> torch.Tensor:
+    """transformers' Gemma 3 decoder layer, computed from its parts as `llama_layer` computes Llama's.
+
+    The same operations in the same order as `Gemma3DecoderLayer.forward`:
+    four norms (Gemma's float32 formula with `1 + weight`), the query and
+    key norms per head, the rotary function, the configured attention with
+    the layer's sliding window, the MLP. The same fallback: a layer of
+    another structure, hooked or training runs its own forward.
+    """
+    gemma = _family("gemma3")
+    if layer.training or not _plain(layer, gemma):
+        return decoder_layer(layer, hidden, mask=mask, position_embeddings=position_embeddings,
+                             position_ids=position_ids, cache=cache)
+    linear = linear_function()
+    attn, mlp = layer.self_attn, layer.mlp
+    residual = hidden
+    hidden = _gemma_norm(layer.input_layernorm, hidden)
+    shape = (*hidden.shape[:-1], -1, attn.head_dim)
+    query = linear(hidden, attn.q_proj.weight, attn.q_proj.bias).view(shape).transpose(1, 2)
+    key = linear(hidden, attn.k_proj.weight, attn.k_proj.bias).view(shape).transpose(1, 2)
+    value = linear(hidden, attn.v_proj.weight, attn.v_proj.bias).view(shape).transpose(1, 2)
+    query, key = _gemma_norm(attn.q_norm, query), _gemma_norm(attn.k_norm, key)
+    cos, sin = position_embeddings
+    query, key = gemma.module.apply_rotary_pos_emb(query, key, cos, sin)
+    key, value = cache.update(key, value, attn.layer_idx)
+    attention = attention_function(attn.config._attn_implementation, gemma.module.eager_attention_forward)
+    out, _ = attention(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling,
+                       sliding_window=attn.sliding_window, position_ids=position_ids, use_cache=True)
+    out = out.reshape(*hidden.shape[:-1], -1).contiguous()
+    hidden = _gemma_norm(layer.post_attention_layernorm, linear(out, attn.o_proj.weight, attn.o_proj.bias))
+    hidden = residual + hidden
+    residual = hidden
+    hidden = _gemma_norm(layer.pre_feedforward_layernorm, hidden)
+    up = linear(hidden, mlp.up_proj.weight, mlp.up_proj.bias)
+    hidden = linear(mlp.act_fn(linear(hidden, mlp.gate_proj.weight, mlp.gate_proj.bias)) * up,
+                    mlp.down_proj.weight, mlp.down_proj.bias)
+    return residual + _gemma_norm(layer.post_feedforward_layernorm, hidden)
+
+
 def _rms_norm(norm, hidden: torch.Tensor) -> torch.Tensor:
     """`LlamaRMSNorm.forward`, operation for operation."""
     dtype = hidden.dtype
@@ -96,38 +137,72 @@ def _rms_norm(norm, hidden: torch.Tensor) -> torch.Tensor:
     return norm.weight * hidden.to(dtype)
 
 
+def _gemma_norm(norm, hidden: torch.Tensor) -> torch.Tensor:
+    """`Gemma3RMSNorm.forward`, operation for operation: the product with `1 + weight` in float32, then cast."""
+    x = hidden.float()
+    out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
+    return (out * (1.0 + norm.weight.float())).type_as(hidden)
+
+
+@dataclass(frozen=True)
+class _Family:
+    """A transformers model family a direct layer call computes: its module and the classes its parts must be."""
+
+    module: object  # transformers' modeling module (its rotary and eager attention functions)
+    layer: type
+    attention: type
+    mlp: type
+    norm: type
+    norms: tuple[str, ...]  # the layer's norms, by attribute path
+
+
+_FAMILIES = {  # family: (transformers' modeling module, its class prefix, the layer's norms)
+    "llama": ("transformers.models.llama.modeling_llama", "Llama", ("input_layernorm", "post_attention_layernorm")),
+    "gemma3": ("transformers.models.gemma3.modeling_gemma3", "Gemma3",
+               ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                "post_feedforward_layernorm", "self_attn.q_norm", "self_attn.k_norm")),
+}
+
+
 @functools.cache
-def _llama():
-    """transformers' Llama module, imported on first use (importing it loads much of transformers; by the first
-    Llama layer it is loaded)."""
-    from transformers.models.llama import modeling_llama
-
-    return modeling_llama
-
-
-_PLAIN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> its modules, or () when not plain
+def _family(name: str) -> _Family:
+    """A family's module and classes, imported on first use (by its first layer, transformers has loaded it)."""
+    path, prefix, norms = _FAMILIES[name]
+    module = importlib.import_module(path)
+    return _Family(module, *(getattr(module, prefix + part) for part in ("DecoderLayer", "Attention", "MLP", "RMSNorm")),
+                   norms)
 
 
-def _plain_llama(layer) -> bool:
-    """Whether `layer` is transformers' Llama layer as it comes: its classes, plain linears, and no hooks now
-    (torch's, or accelerate's, which loads offloaded weights for the call: such a layer runs its own forward).
+# layer -> {family's layer class: the layer's modules, or () when it is not that family's plain layer}
+_PLAIN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _plain(layer, family: _Family) -> bool:
+    """Whether `layer` is `family`'s decoder layer as transformers makes it: its classes, plain linears, and no
+    hooks now (torch's, or accelerate's, which loads offloaded weights for the call: such a layer runs its own
+    forward).
 
     The classes are checked once per layer; hooks at every call (one may be registered at any time).
     """
-    modules = _PLAIN.get(layer)
+    checked = _PLAIN.setdefault(layer, {})
+    modules = checked.get(family.layer)
     if modules is None:
-        llama = _llama()
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         linears = [getattr(m, name, None) for m, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
                                                           (mlp, ("gate_proj", "up_proj", "down_proj")))
                    for name in names]
-        plain = (type(layer) is llama.LlamaDecoderLayer and type(attn) is llama.LlamaAttention
-                 and type(mlp) is llama.LlamaMLP
-                 and all(type(n) is llama.LlamaRMSNorm for n in (layer.input_layernorm, layer.post_attention_layernorm))
+        plain = (type(layer) is family.layer and type(attn) is family.attention and type(mlp) is family.mlp
+                 and all(type(_attribute(layer, n)) is family.norm for n in family.norms)
                  and all(type(m) is nn.Linear for m in linears))
-        modules = _PLAIN[layer] = tuple(layer.modules()) if plain else ()
+        modules = checked[family.layer] = tuple(layer.modules()) if plain else ()
     hooked = any(_live_hooks(m) or hasattr(m, "_hf_hook") for m in modules)  # `_hf_hook`: accelerate's
     return bool(modules) and not (_global_hooks() or hooked)
+
+
+def _attribute(module, path: str):
+    for name in path.split("."):
+        module = getattr(module, name, None)
+    return module
 
 
 # transformers installs these on a model's layers the first time it is asked for hidden states or attentions, and
@@ -150,6 +225,7 @@ def _global_hooks() -> bool:
 LAYER_CALLS: dict[str, Callable[..., torch.Tensor]] = {
     "decoder_layer": decoder_layer,
     "llama_layer": llama_layer,
+    "gemma3_layer": gemma3_layer,
     "gpt2_block": gpt2_block,
 }
 

@@ -1,4 +1,4 @@
-"""`layer_call.llama_layer`: a Llama layer computed from its parts is the layer's own forward, bit for bit.
+"""`layer_call.llama_layer`, `gemma3_layer`: a layer computed from its parts is the layer's own forward, bit for bit.
 
 - float32, bfloat16 and float64, on the runner's passes (a prefill, a one-token step, a masked chain, a
   token tree, a batch's rows): logits and every cache entry equal (`torch.equal`) those of the layer's own
@@ -6,7 +6,7 @@
 - the direct path really runs for a plain Llama layer, also after transformers left its output-capturing
   hooks on it, and anything else (a hooked module, a layer in training mode, another architecture) runs
   the layer's own forward;
-- the llama adapter uses it.
+- the llama and both Gemma 3 adapters use them.
 """
 
 from __future__ import annotations
@@ -38,11 +38,15 @@ def passes(parts) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return out, entries
 
 
+DIRECT = [("llama", "llama_layer"), ("gemma3_text", "gemma3_layer"), ("gemma3", "gemma3_layer")]
+
+
+@pytest.mark.parametrize("family,call", DIRECT)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_the_direct_layer_equals_the_layers_own_forward(dtype, monkeypatch):
-    model = tiny_model("llama", dtype)
+def test_the_direct_layer_equals_the_layers_own_forward(family, call, dtype, monkeypatch):
+    model = tiny_model(family, dtype)
     parts = selfspec.wrap(model, plan=selfspec.DraftPlan.plain()).parts
-    assert parts.layer_call is layer_call.llama_layer  # the adapter's choice
+    assert parts.layer_call is getattr(layer_call, call)  # the adapter's choice
     own = dataclasses.replace(parts, layer_call=layer_call.decoder_layer)
     fallbacks = []
     real = layer_call.decoder_layer
@@ -55,11 +59,12 @@ def test_the_direct_layer_equals_the_layers_own_forward(dtype, monkeypatch):
         assert torch.equal(ours, theirs)
 
 
-def test_a_batchs_rows_run_the_direct_layer_alike():
-    model = tiny_model("llama", torch.float32)
+@pytest.mark.parametrize("family,call", DIRECT[:2])
+def test_a_batchs_rows_run_the_direct_layer_alike(family, call):
+    model = tiny_model(family, torch.float32)
     parts = selfspec.wrap(model).parts
     outs = []
-    for call in (layer_call.llama_layer, layer_call.decoder_layer):
+    for call in (getattr(layer_call, call), layer_call.decoder_layer):
         runner = BatchRunner(dataclasses.replace(parts, layer_call=call), capacity=32)
         for prompt in ([5, 9, 2, 7], [3, 8]):
             row = runner.cache.add_row()
@@ -97,7 +102,11 @@ def test_anything_but_a_plain_llama_layer_runs_its_own_forward(monkeypatch):
     assert set(map(id, seen)) == {id(parts.layers[0])}  # training mode: the layer's own forward
     parts.layers[0].eval()
     qwen = tiny_model("qwen3", torch.float32)
-    assert not layer_call._plain_llama(qwen.model.layers[0])  # another architecture (its own call, in any case)
+    assert not layer_call._plain(qwen.model.layers[0], layer_call._family("llama"))  # another architecture (its own call, in any case)
+    gemma = tiny_model("gemma3_text", torch.float32)
+    assert not layer_call._plain(gemma.model.layers[0], layer_call._family("llama"))
+    assert not layer_call._plain(model.model.layers[0], layer_call._family("gemma3"))
+    assert layer_call._plain(gemma.model.layers[0], layer_call._family("gemma3"))
 
 
 def test_the_hooks_transformers_leaves_after_hidden_states_keep_the_direct_layer(monkeypatch):
@@ -122,8 +131,9 @@ def test_the_hooks_transformers_leaves_after_hidden_states_keep_the_direct_layer
     assert all(torch.equal(a, b) for a, b in zip(states, again))
 
 
-def test_greedy_generation_with_the_direct_layer_equals_generate():
-    model = tiny_model("llama", torch.float64)
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_greedy_generation_with_the_direct_layer_equals_generate(family):
+    model = tiny_model(family, torch.float64)
     prompt = random_prompt(20, seed=2)
     ref = model.generate(prompt, do_sample=False, max_new_tokens=40)
     for plan in (selfspec.DraftPlan.plain(), selfspec.DraftPlan(layers=[0, 2], draft_length=4),
