@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,20 +50,23 @@ def gpt2_block(layer, hidden: torch.Tensor, *, mask, position_embeddings, positi
 
 
 def llama_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, position_ids, cache) -> torch.Tensor:
-    """transformers' Llama decoder layer, computed from its parts without its module calls.
+    """A decoder layer of the Llama structure (Llama, Mistral, Qwen 2, Qwen 3), computed from its parts without
+    its module calls.
 
-    The same operations in the same order as `LlamaDecoderLayer.forward`
-    (the norms' float32 formula, the rotary function, the configured
-    attention function with the same arguments, the MLP), so the result is
-    the layer's own, bit for bit; what goes is the per-call cost of about
-    a dozen module calls, keyword wrappers and hook checks a layer. Its
-    linear layers and attention run the kernels this thread chose
-    (`cpu_kernels.linear_function`, `attention_function`). A layer that is
-    not exactly that structure (another class, a quantized or hooked
-    linear, a norm of another kind, training mode) runs its own forward.
+    The same operations in the same order as the layer's own forward (the
+    norms' float32 formula, Qwen 3's query and key norms, the rotary
+    function, the configured attention function with the same arguments,
+    the sliding window where the family passes one, the MLP), so the
+    result is the layer's own, bit for bit; what goes is the per-call cost
+    of about a dozen module calls, keyword wrappers and hook checks a
+    layer. Its linear layers and attention run the kernels this thread
+    chose (`cpu_kernels.linear_function`, `attention_function`). A layer
+    that is not exactly that structure (another class, a quantized or
+    hooked linear, a norm of another kind, training mode) runs its own
+    forward.
     """
-    llama = _family("llama")
-    if layer.training or not _plain(layer, llama):
+    family = _family_of(layer)
+    if layer.training or family is None or family.gemma or not _plain(layer, family):
         return decoder_layer(layer, hidden, mask=mask, position_embeddings=position_embeddings,
                              position_ids=position_ids, cache=cache)
     linear = linear_function()
@@ -70,15 +74,19 @@ def llama_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, posit
     residual = hidden
     hidden = _rms_norm(layer.input_layernorm, hidden)
     shape = (*hidden.shape[:-1], -1, attn.head_dim)
-    query = linear(hidden, attn.q_proj.weight, attn.q_proj.bias).view(shape).transpose(1, 2)
-    key = linear(hidden, attn.k_proj.weight, attn.k_proj.bias).view(shape).transpose(1, 2)
+    query = linear(hidden, attn.q_proj.weight, attn.q_proj.bias).view(shape)
+    key = linear(hidden, attn.k_proj.weight, attn.k_proj.bias).view(shape)
+    if family.qk_norm:  # Qwen 3: per head, before the heads move forward
+        query, key = _rms_norm(attn.q_norm, query), _rms_norm(attn.k_norm, key)
+    query, key = query.transpose(1, 2), key.transpose(1, 2)
     value = linear(hidden, attn.v_proj.weight, attn.v_proj.bias).view(shape).transpose(1, 2)
     cos, sin = position_embeddings
-    query, key = llama.module.apply_rotary_pos_emb(query, key, cos, sin)
+    query, key = family.module.apply_rotary_pos_emb(query, key, cos, sin)
     key, value = cache.update(key, value, attn.layer_idx)
-    attention = attention_function(attn.config._attn_implementation, llama.module.eager_attention_forward)
-    out, _ = attention(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling, position_ids=position_ids,
-                       use_cache=True)
+    attention = attention_function(attn.config._attn_implementation, family.module.eager_attention_forward)
+    window = {} if family.window is None else {"sliding_window": family.window(attn)}
+    out, _ = attention(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling, **window,
+                       position_ids=position_ids, use_cache=True)
     out = out.reshape(*hidden.shape[:-1], -1).contiguous()
     hidden = residual + linear(out, attn.o_proj.weight, attn.o_proj.bias)
     residual = hidden
@@ -98,8 +106,8 @@ def gemma3_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, posi
     the layer's sliding window, the MLP. The same fallback: a layer of
     another structure, hooked or training runs its own forward.
     """
-    gemma = _family("gemma3")
-    if layer.training or not _plain(layer, gemma):
+    gemma = _family_of(layer)
+    if layer.training or gemma is None or not gemma.gemma or not _plain(layer, gemma):
         return decoder_layer(layer, hidden, mask=mask, position_embeddings=position_embeddings,
                              position_ids=position_ids, cache=cache)
     linear = linear_function()
@@ -154,23 +162,39 @@ class _Family:
     mlp: type
     norm: type
     norms: tuple[str, ...]  # the layer's norms, by attribute path
+    window: Callable | None = None  # attention module -> the sliding window the family's forward passes
+    qk_norm: bool = False  # query and key normed per head (Qwen 3)
+    gemma: bool = False  # Gemma 3's structure (`gemma3_layer`), not Llama's
 
 
-_FAMILIES = {  # family: (transformers' modeling module, its class prefix, the layer's norms)
-    "llama": ("transformers.models.llama.modeling_llama", "Llama", ("input_layernorm", "post_attention_layernorm")),
-    "gemma3": ("transformers.models.gemma3.modeling_gemma3", "Gemma3",
-               ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                "post_feedforward_layernorm", "self_attn.q_norm", "self_attn.k_norm")),
+_NORMS = ("input_layernorm", "post_attention_layernorm")
+_QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+_FAMILIES = {  # transformers' modeling module: (its class prefix, what its layers' forward differs in)
+    "transformers.models.llama.modeling_llama": ("Llama", dict(norms=_NORMS)),
+    "transformers.models.mistral.modeling_mistral": (
+        "Mistral", dict(norms=_NORMS, window=lambda attn: getattr(attn.config, "sliding_window", None))),
+    "transformers.models.qwen2.modeling_qwen2": ("Qwen2", dict(norms=_NORMS, window=lambda attn: attn.sliding_window)),
+    "transformers.models.qwen3.modeling_qwen3": (
+        "Qwen3", dict(norms=_NORMS + _QK_NORMS, window=lambda attn: attn.sliding_window, qk_norm=True)),
+    "transformers.models.gemma3.modeling_gemma3": (
+        "Gemma3", dict(norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                              "post_feedforward_layernorm") + _QK_NORMS, gemma=True)),
 }
 
 
+def _family_of(layer) -> _Family | None:
+    """The family of `layer`'s class, by the transformers module that defines it; None for any other."""
+    return _family(type(layer).__module__)
+
+
 @functools.cache
-def _family(name: str) -> _Family:
-    """A family's module and classes, imported on first use (by its first layer, transformers has loaded it)."""
-    path, prefix, norms = _FAMILIES[name]
-    module = importlib.import_module(path)
+def _family(module_name: str) -> _Family | None:
+    if module_name not in _FAMILIES:
+        return None
+    prefix, differences = _FAMILIES[module_name]
+    module = sys.modules.get(module_name) or importlib.import_module(module_name)
     return _Family(module, *(getattr(module, prefix + part) for part in ("DecoderLayer", "Attention", "MLP", "RMSNorm")),
-                   norms)
+                   **differences)
 
 
 # layer -> {family's layer class: the layer's modules, or () when it is not that family's plain layer}

@@ -1,4 +1,5 @@
-"""`layer_call.llama_layer`, `gemma3_layer`: a layer computed from its parts is the layer's own forward, bit for bit.
+"""`layer_call.llama_layer`, `gemma3_layer`: a layer computed from its parts is the layer's own forward, bit for bit
+(Llama, Mistral, Qwen 2, Qwen 3, Gemma 3).
 
 - float32, bfloat16 and float64, on the runner's passes (a prefill, a one-token step, a masked chain, a
   token tree, a batch's rows): logits and every cache entry equal (`torch.equal`) those of the layer's own
@@ -6,7 +7,7 @@
 - the direct path really runs for a plain Llama layer, also after transformers left its output-capturing
   hooks on it, and anything else (a hooked module, a layer in training mode, another architecture) runs
   the layer's own forward;
-- the llama and both Gemma 3 adapters use them.
+- those families' adapters use them.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def passes(parts) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return out, entries
 
 
-DIRECT = [("llama", "llama_layer"), ("gemma3_text", "gemma3_layer"), ("gemma3", "gemma3_layer")]
+DIRECT = [("llama", "llama_layer"), ("gemma3_text", "gemma3_layer"), ("gemma3", "gemma3_layer"),
+          ("mistral", "llama_layer"), ("qwen2", "llama_layer"), ("qwen3", "llama_layer")]
 
 
 @pytest.mark.parametrize("family,call", DIRECT)
@@ -59,7 +61,7 @@ def test_the_direct_layer_equals_the_layers_own_forward(family, call, dtype, mon
         assert torch.equal(ours, theirs)
 
 
-@pytest.mark.parametrize("family,call", DIRECT[:2])
+@pytest.mark.parametrize("family,call", DIRECT[:2] + DIRECT[-1:])
 def test_a_batchs_rows_run_the_direct_layer_alike(family, call):
     model = tiny_model(family, torch.float32)
     parts = selfspec.wrap(model).parts
@@ -101,12 +103,13 @@ def test_anything_but_a_plain_llama_layer_runs_its_own_forward(monkeypatch):
         passes(parts)
     assert set(map(id, seen)) == {id(parts.layers[0])}  # training mode: the layer's own forward
     parts.layers[0].eval()
-    qwen = tiny_model("qwen3", torch.float32)
-    assert not layer_call._plain(qwen.model.layers[0], layer_call._family("llama"))  # another architecture (its own call, in any case)
-    gemma = tiny_model("gemma3_text", torch.float32)
-    assert not layer_call._plain(gemma.model.layers[0], layer_call._family("llama"))
-    assert not layer_call._plain(model.model.layers[0], layer_call._family("gemma3"))
-    assert layer_call._plain(gemma.model.layers[0], layer_call._family("gemma3"))
+    llama = layer_call._family_of(parts.layers[0])
+    gemma = tiny_model("gemma3_text", torch.float32).model.layers[0]
+    qwen = tiny_model("qwen3", torch.float32).model.layers[0]
+    phi = tiny_model("phi3", torch.float32).model.layers[0]
+    assert layer_call._family_of(phi) is None  # a family without a direct call: its own forward, always
+    assert not layer_call._plain(gemma, llama) and not layer_call._plain(qwen, llama)  # another family's classes
+    assert layer_call._plain(gemma, layer_call._family_of(gemma)) and layer_call._plain(qwen, layer_call._family_of(qwen))
 
 
 def test_the_hooks_transformers_leaves_after_hidden_states_keep_the_direct_layer(monkeypatch):
@@ -131,7 +134,7 @@ def test_the_hooks_transformers_leaves_after_hidden_states_keep_the_direct_layer
     assert all(torch.equal(a, b) for a, b in zip(states, again))
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "mistral", "qwen3"])
 def test_greedy_generation_with_the_direct_layer_equals_generate(family):
     model = tiny_model(family, torch.float64)
     prompt = random_prompt(20, seed=2)
