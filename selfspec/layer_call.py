@@ -70,16 +70,13 @@ def llama_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, posit
         return decoder_layer(layer, hidden, mask=mask, position_embeddings=position_embeddings,
                              position_ids=position_ids, cache=cache)
     linear = linear_function()
-    attn, mlp = layer.self_attn, layer.mlp
+    attn = layer.self_attn
     residual = hidden
     hidden = _rms_norm(layer.input_layernorm, hidden)
-    shape = (*hidden.shape[:-1], -1, attn.head_dim)
-    query = linear(hidden, attn.q_proj.weight, attn.q_proj.bias).view(shape)
-    key = linear(hidden, attn.k_proj.weight, attn.k_proj.bias).view(shape)
+    query, key, value = _project(linear, attn, hidden)  # each [1, q, heads, head_dim]
     if family.qk_norm:  # Qwen 3: per head, before the heads move forward
         query, key = _rms_norm(attn.q_norm, query), _rms_norm(attn.k_norm, key)
-    query, key = query.transpose(1, 2), key.transpose(1, 2)
-    value = linear(hidden, attn.v_proj.weight, attn.v_proj.bias).view(shape).transpose(1, 2)
+    query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     cos, sin = position_embeddings
     query, key = family.module.apply_rotary_pos_emb(query, key, cos, sin)
     key, value = cache.update(key, value, attn.layer_idx)
@@ -89,12 +86,7 @@ def llama_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, posit
                        position_ids=position_ids, use_cache=True)
     out = out.reshape(*hidden.shape[:-1], -1).contiguous()
     hidden = residual + linear(out, attn.o_proj.weight, attn.o_proj.bias)
-    residual = hidden
-    hidden = _rms_norm(layer.post_attention_layernorm, hidden)
-    up = linear(hidden, mlp.up_proj.weight, mlp.up_proj.bias)
-    hidden = linear(mlp.act_fn(linear(hidden, mlp.gate_proj.weight, mlp.gate_proj.bias)) * up,
-                    mlp.down_proj.weight, mlp.down_proj.bias)
-    return residual + hidden
+    return hidden + _mlp(linear, layer.mlp, _rms_norm(layer.post_attention_layernorm, hidden))
 
 
 def gemma3_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, position_ids, cache) -> torch.Tensor:
@@ -111,13 +103,10 @@ def gemma3_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, posi
         return decoder_layer(layer, hidden, mask=mask, position_embeddings=position_embeddings,
                              position_ids=position_ids, cache=cache)
     linear = linear_function()
-    attn, mlp = layer.self_attn, layer.mlp
+    attn = layer.self_attn
     residual = hidden
     hidden = _gemma_norm(layer.input_layernorm, hidden)
-    shape = (*hidden.shape[:-1], -1, attn.head_dim)
-    query = linear(hidden, attn.q_proj.weight, attn.q_proj.bias).view(shape).transpose(1, 2)
-    key = linear(hidden, attn.k_proj.weight, attn.k_proj.bias).view(shape).transpose(1, 2)
-    value = linear(hidden, attn.v_proj.weight, attn.v_proj.bias).view(shape).transpose(1, 2)
+    query, key, value = (t.transpose(1, 2) for t in _project(linear, attn, hidden))  # each [1, heads, q, head_dim]
     query, key = _gemma_norm(attn.q_norm, query), _gemma_norm(attn.k_norm, key)
     cos, sin = position_embeddings
     query, key = gemma.module.apply_rotary_pos_emb(query, key, cos, sin)
@@ -128,12 +117,21 @@ def gemma3_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, posi
     out = out.reshape(*hidden.shape[:-1], -1).contiguous()
     hidden = _gemma_norm(layer.post_attention_layernorm, linear(out, attn.o_proj.weight, attn.o_proj.bias))
     hidden = residual + hidden
-    residual = hidden
-    hidden = _gemma_norm(layer.pre_feedforward_layernorm, hidden)
+    mlp = _mlp(linear, layer.mlp, _gemma_norm(layer.pre_feedforward_layernorm, hidden))
+    return hidden + _gemma_norm(layer.post_feedforward_layernorm, mlp)
+
+
+def _project(linear, attn, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The query, key and value projections of `hidden` `[1, q, hidden]`, each `[1, q, heads, head_dim]`."""
+    shape = (*hidden.shape[:-1], -1, attn.head_dim)
+    return tuple(linear(hidden, proj.weight, proj.bias).view(shape) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+
+
+def _mlp(linear, mlp, hidden: torch.Tensor) -> torch.Tensor:
+    """The gated MLP: down(act(gate(x)) * up(x))."""
     up = linear(hidden, mlp.up_proj.weight, mlp.up_proj.bias)
-    hidden = linear(mlp.act_fn(linear(hidden, mlp.gate_proj.weight, mlp.gate_proj.bias)) * up,
-                    mlp.down_proj.weight, mlp.down_proj.bias)
-    return residual + _gemma_norm(layer.post_feedforward_layernorm, hidden)
+    return linear(mlp.act_fn(linear(hidden, mlp.gate_proj.weight, mlp.gate_proj.bias)) * up,
+                  mlp.down_proj.weight, mlp.down_proj.bias)
 
 
 def _rms_norm(norm, hidden: torch.Tensor) -> torch.Tensor:
