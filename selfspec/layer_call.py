@@ -81,22 +81,23 @@ def llama_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, posit
     query, key = family.module.apply_rotary_pos_emb(query, key, cos, sin)
     key, value = cache.update(key, value, attn.layer_idx)
     attention = attention_function(attn.config._attn_implementation, family.module.eager_attention_forward)
-    window = {} if family.window is None else {"sliding_window": family.window(attn)}
-    out, _ = attention(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling, **window,
+    out, _ = attention(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling, **family.attention_kwargs(attn),
                        position_ids=position_ids, use_cache=True)
     out = out.reshape(*hidden.shape[:-1], -1).contiguous()
     hidden = residual + linear(out, attn.o_proj.weight, attn.o_proj.bias)
     return hidden + _mlp(linear, layer.mlp, _rms_norm(layer.post_attention_layernorm, hidden))
 
 
-def gemma3_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, position_ids, cache) -> torch.Tensor:
-    """transformers' Gemma 3 decoder layer, computed from its parts as `llama_layer` computes Llama's.
+def gemma_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, position_ids, cache) -> torch.Tensor:
+    """transformers' Gemma 2 and Gemma 3 decoder layers, computed from their parts as `llama_layer` computes
+    Llama's.
 
-    The same operations in the same order as `Gemma3DecoderLayer.forward`:
-    four norms (Gemma's float32 formula with `1 + weight`), the query and
+    The same operations in the same order as the layer's own forward: four
+    norms (Gemma's float32 formula with `1 + weight`), Gemma 3's query and
     key norms per head, the rotary function, the configured attention with
-    the layer's sliding window, the MLP. The same fallback: a layer of
-    another structure, hooked or training runs its own forward.
+    the layer's sliding window (and Gemma 2's attention soft-cap), the MLP.
+    The same fallback: a layer of another structure, hooked or training runs
+    its own forward.
     """
     gemma = _family_of(layer)
     if layer.training or gemma is None or not gemma.gemma or not _plain(layer, gemma):
@@ -107,13 +108,14 @@ def gemma3_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, posi
     residual = hidden
     hidden = _gemma_norm(layer.input_layernorm, hidden)
     query, key, value = (t.transpose(1, 2) for t in _project(linear, attn, hidden))  # each [1, heads, q, head_dim]
-    query, key = _gemma_norm(attn.q_norm, query), _gemma_norm(attn.k_norm, key)
+    if gemma.qk_norm:  # Gemma 3
+        query, key = _gemma_norm(attn.q_norm, query), _gemma_norm(attn.k_norm, key)
     cos, sin = position_embeddings
     query, key = gemma.module.apply_rotary_pos_emb(query, key, cos, sin)
     key, value = cache.update(key, value, attn.layer_idx)
     attention = attention_function(attn.config._attn_implementation, gemma.module.eager_attention_forward)
-    out, _ = attention(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling,
-                       sliding_window=attn.sliding_window, position_ids=position_ids, use_cache=True)
+    out, _ = attention(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling, **gemma.attention_kwargs(attn),
+                       position_ids=position_ids, use_cache=True)
     out = out.reshape(*hidden.shape[:-1], -1).contiguous()
     hidden = _gemma_norm(layer.post_attention_layernorm, linear(out, attn.o_proj.weight, attn.o_proj.bias))
     hidden = residual + hidden
@@ -144,7 +146,7 @@ def _rms_norm(norm, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def _gemma_norm(norm, hidden: torch.Tensor) -> torch.Tensor:
-    """`Gemma3RMSNorm.forward`, operation for operation: the product with `1 + weight` in float32, then cast."""
+    """`Gemma3RMSNorm.forward` (and Gemma 2's), operation for operation: the product with `1 + weight` in float32, then cast."""
     x = hidden.float()
     out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
     return (out * (1.0 + norm.weight.float())).type_as(hidden)
@@ -160,23 +162,32 @@ class _Family:
     mlp: type
     norm: type
     norms: tuple[str, ...]  # the layer's norms, by attribute path
-    window: Callable | None = None  # attention module -> the sliding window the family's forward passes
-    qk_norm: bool = False  # query and key normed per head (Qwen 3)
-    gemma: bool = False  # Gemma 3's structure (`gemma3_layer`), not Llama's
+    attention_kwargs: Callable = lambda attn: {}  # attention module -> what else the family's forward passes
+    qk_norm: bool = False  # query and key normed per head (Qwen 3, Gemma 3)
+    gemma: bool = False  # Gemma's structure (`gemma_layer`), not Llama's
 
 
 _NORMS = ("input_layernorm", "post_attention_layernorm")
+_GEMMA_NORMS = _NORMS + ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+
+
+def _window(attn) -> dict:
+    return {"sliding_window": attn.sliding_window}
+
 _FAMILIES = {  # transformers' modeling module: (its class prefix, what its layers' forward differs in)
     "transformers.models.llama.modeling_llama": ("Llama", dict(norms=_NORMS)),
     "transformers.models.mistral.modeling_mistral": (
-        "Mistral", dict(norms=_NORMS, window=lambda attn: getattr(attn.config, "sliding_window", None))),
-    "transformers.models.qwen2.modeling_qwen2": ("Qwen2", dict(norms=_NORMS, window=lambda attn: attn.sliding_window)),
+        "Mistral", dict(norms=_NORMS, attention_kwargs=lambda attn: {
+            "sliding_window": getattr(attn.config, "sliding_window", None)})),
+    "transformers.models.qwen2.modeling_qwen2": ("Qwen2", dict(norms=_NORMS, attention_kwargs=_window)),
     "transformers.models.qwen3.modeling_qwen3": (
-        "Qwen3", dict(norms=_NORMS + _QK_NORMS, window=lambda attn: attn.sliding_window, qk_norm=True)),
+        "Qwen3", dict(norms=_NORMS + _QK_NORMS, attention_kwargs=_window, qk_norm=True)),
+    "transformers.models.gemma2.modeling_gemma2": (
+        "Gemma2", dict(norms=_GEMMA_NORMS, gemma=True, attention_kwargs=lambda attn: {
+            "sliding_window": attn.sliding_window, "softcap": attn.attn_logit_softcapping})),
     "transformers.models.gemma3.modeling_gemma3": (
-        "Gemma3", dict(norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                              "post_feedforward_layernorm") + _QK_NORMS, gemma=True)),
+        "Gemma3", dict(norms=_GEMMA_NORMS + _QK_NORMS, attention_kwargs=_window, qk_norm=True, gemma=True)),
 }
 
 
@@ -247,7 +258,7 @@ def _global_hooks() -> bool:
 LAYER_CALLS: dict[str, Callable[..., torch.Tensor]] = {
     "decoder_layer": decoder_layer,
     "llama_layer": llama_layer,
-    "gemma3_layer": gemma3_layer,
+    "gemma_layer": gemma_layer,
     "gpt2_block": gpt2_block,
 }
 

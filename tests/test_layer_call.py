@@ -1,5 +1,5 @@
-"""`layer_call.llama_layer`, `gemma3_layer`: a layer computed from its parts is the layer's own forward, bit for bit
-(Llama, Mistral, Qwen 2, Qwen 3, Gemma 3).
+"""`layer_call.llama_layer`, `gemma_layer`: a layer computed from its parts is the layer's own forward, bit for bit
+(Llama, Mistral, Qwen 2, Qwen 3, Gemma 2, Gemma 3).
 
 - float32, bfloat16 and float64, on the runner's passes (a prefill, a one-token step, a masked chain, a
   token tree, a batch's rows): logits and every cache entry equal (`torch.equal`) those of the layer's own
@@ -39,8 +39,8 @@ def passes(parts) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return out, entries
 
 
-DIRECT = [("llama", "llama_layer"), ("gemma3_text", "gemma3_layer"), ("gemma3", "gemma3_layer"),
-          ("mistral", "llama_layer"), ("qwen2", "llama_layer"), ("qwen3", "llama_layer")]
+DIRECT = [("llama", "llama_layer"), ("gemma3_text", "gemma_layer"), ("gemma3", "gemma_layer"),
+          ("mistral", "llama_layer"), ("qwen2", "llama_layer"), ("qwen3", "llama_layer"), ("gemma2", "gemma_layer")]
 
 
 @pytest.mark.parametrize("family,call", DIRECT)
@@ -134,7 +134,7 @@ def test_the_hooks_transformers_leaves_after_hidden_states_keep_the_direct_layer
     assert all(torch.equal(a, b) for a, b in zip(states, again))
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "mistral", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "gemma2", "mistral", "qwen3"])
 def test_greedy_generation_with_the_direct_layer_equals_generate(family):
     model = tiny_model(family, torch.float64)
     prompt = random_prompt(20, seed=2)
