@@ -4,7 +4,11 @@ An adapter's `layer_call` picks one of these functions. Each takes a layer
 module, the hidden states `[1, q, hidden]` and what the engine prepared (mask,
 rotary embeddings, position ids, the shared cache) and returns the layer's
 output hidden states `[1, q, hidden]`, on the CPU kernels the calling thread
-chose (`cpu_kernels.py`; none swapped for anyone else). Nothing here keeps state.
+chose (`cpu_kernels.py`; none swapped for anyone else). `decoder_layer` and
+`gpt2_block` call the layer's own forward; the direct calls (`llama_layer`,
+`gemma_layer`, `phi3_layer`, `olmo2_layer`) compute a known transformers
+family's layer from its parts, bit for bit, and hand any other layer to its
+own forward. Nothing here keeps state beyond which layers were checked plain.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ def llama_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, posit
     forward.
     """
     family = _family_of(layer)
-    if layer.training or family is None or family.gemma or not _plain(layer, family):
+    if layer.training or family is None or family.kind != "llama" or not _plain(layer, family):
         return decoder_layer(layer, hidden, mask=mask, position_embeddings=position_embeddings,
                              position_ids=position_ids, cache=cache)
     linear = linear_function()
@@ -77,13 +81,7 @@ def llama_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, posit
     if family.qk_norm:  # Qwen 3: per head, before the heads move forward
         query, key = _rms_norm(attn.q_norm, query), _rms_norm(attn.k_norm, key)
     query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    cos, sin = position_embeddings
-    query, key = family.module.apply_rotary_pos_emb(query, key, cos, sin)
-    key, value = cache.update(key, value, attn.layer_idx)
-    attention = attention_function(attn.config._attn_implementation, family.module.eager_attention_forward)
-    out, _ = attention(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling, **family.attention_kwargs(attn),
-                       position_ids=position_ids, use_cache=True)
-    out = out.reshape(*hidden.shape[:-1], -1).contiguous()
+    out = _attend(family, attn, query, key, value, position_embeddings, mask, position_ids, cache)
     hidden = residual + linear(out, attn.o_proj.weight, attn.o_proj.bias)
     return hidden + _mlp(linear, layer.mlp, _rms_norm(layer.post_attention_layernorm, hidden))
 
@@ -100,7 +98,7 @@ def gemma_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, posit
     its own forward.
     """
     gemma = _family_of(layer)
-    if layer.training or gemma is None or not gemma.gemma or not _plain(layer, gemma):
+    if layer.training or gemma is None or gemma.kind != "gemma" or not _plain(layer, gemma):
         return decoder_layer(layer, hidden, mask=mask, position_embeddings=position_embeddings,
                              position_ids=position_ids, cache=cache)
     linear = linear_function()
@@ -110,17 +108,66 @@ def gemma_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, posit
     query, key, value = (t.transpose(1, 2) for t in _project(linear, attn, hidden))  # each [1, heads, q, head_dim]
     if gemma.qk_norm:  # Gemma 3
         query, key = _gemma_norm(attn.q_norm, query), _gemma_norm(attn.k_norm, key)
-    cos, sin = position_embeddings
-    query, key = gemma.module.apply_rotary_pos_emb(query, key, cos, sin)
-    key, value = cache.update(key, value, attn.layer_idx)
-    attention = attention_function(attn.config._attn_implementation, gemma.module.eager_attention_forward)
-    out, _ = attention(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling, **gemma.attention_kwargs(attn),
-                       position_ids=position_ids, use_cache=True)
-    out = out.reshape(*hidden.shape[:-1], -1).contiguous()
+    out = _attend(gemma, attn, query, key, value, position_embeddings, mask, position_ids, cache)
     hidden = _gemma_norm(layer.post_attention_layernorm, linear(out, attn.o_proj.weight, attn.o_proj.bias))
     hidden = residual + hidden
     mlp = _mlp(linear, layer.mlp, _gemma_norm(layer.pre_feedforward_layernorm, hidden))
     return hidden + _gemma_norm(layer.post_feedforward_layernorm, mlp)
+
+
+def phi3_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, position_ids, cache) -> torch.Tensor:
+    """transformers' Phi-3 decoder layer, computed from its parts as `llama_layer` computes Llama's: one fused
+    query-key-value projection, one fused gate-up projection (the residual dropouts are identities in eval)."""
+    phi = _family_of(layer)
+    if layer.training or phi is None or phi.kind != "phi3" or not _plain(layer, phi):
+        return decoder_layer(layer, hidden, mask=mask, position_embeddings=position_embeddings,
+                             position_ids=position_ids, cache=cache)
+    linear = linear_function()
+    attn, mlp = layer.self_attn, layer.mlp
+    residual = hidden
+    hidden = _rms_norm(layer.input_layernorm, hidden)
+    shape = (*hidden.shape[:-1], -1, attn.head_dim)
+    qkv = linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias)  # [1, q, (heads + 2 kv_heads) * head_dim]
+    queries, keys = attn.config.num_attention_heads * attn.head_dim, attn.num_key_value_heads * attn.head_dim
+    query, key, value = (t.view(shape).transpose(1, 2) for t in (
+        qkv[..., :queries], qkv[..., queries : queries + keys], qkv[..., queries + keys :]))
+    out = _attend(phi, attn, query, key, value, position_embeddings, mask, position_ids, cache)
+    hidden = residual + linear(out, attn.o_proj.weight, attn.o_proj.bias)
+    gate, up = linear(_rms_norm(layer.post_attention_layernorm, hidden), mlp.gate_up_proj.weight,
+                      mlp.gate_up_proj.bias).chunk(2, dim=-1)
+    return hidden + linear(up * mlp.activation_fn(gate), mlp.down_proj.weight, mlp.down_proj.bias)
+
+
+def olmo2_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, position_ids, cache) -> torch.Tensor:
+    """transformers' OLMo 2 decoder layer, computed from its parts as `llama_layer` computes Llama's: no input
+    norm, the query and key normed over all heads, norms after the attention and the MLP (the product with the
+    weight in float32)."""
+    olmo = _family_of(layer)
+    if layer.training or olmo is None or olmo.kind != "olmo2" or not _plain(layer, olmo):
+        return decoder_layer(layer, hidden, mask=mask, position_embeddings=position_embeddings,
+                             position_ids=position_ids, cache=cache)
+    linear = linear_function()
+    attn = layer.self_attn
+    shape = (*hidden.shape[:-1], -1, attn.head_dim)
+    query = _olmo_norm(attn.q_norm, linear(hidden, attn.q_proj.weight, attn.q_proj.bias))
+    key = _olmo_norm(attn.k_norm, linear(hidden, attn.k_proj.weight, attn.k_proj.bias))
+    value = linear(hidden, attn.v_proj.weight, attn.v_proj.bias)
+    query, key, value = (t.view(shape).transpose(1, 2) for t in (query, key, value))
+    out = _attend(olmo, attn, query, key, value, position_embeddings, mask, position_ids, cache)
+    hidden = hidden + _olmo_norm(layer.post_attention_layernorm, linear(out, attn.o_proj.weight, attn.o_proj.bias))
+    return hidden + _olmo_norm(layer.post_feedforward_layernorm, _mlp(linear, layer.mlp, hidden))
+
+
+def _attend(family: _Family, attn, query, key, value, position_embeddings, mask, position_ids, cache) -> torch.Tensor:
+    """Rotary positions, the cache, then the configured attention as the family's forward calls it; the output
+    `[1, q, heads * head_dim]`, contiguous."""
+    cos, sin = position_embeddings
+    query, key = family.module.apply_rotary_pos_emb(query, key, cos, sin)
+    key, value = cache.update(key, value, attn.layer_idx)
+    attention = attention_function(attn.config._attn_implementation, family.module.eager_attention_forward)
+    out, _ = attention(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling, **family.attention_kwargs(attn),
+                       position_ids=position_ids, use_cache=True)
+    return out.reshape(*out.shape[:2], -1).contiguous()
 
 
 def _project(linear, attn, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -145,11 +192,23 @@ def _rms_norm(norm, hidden: torch.Tensor) -> torch.Tensor:
     return norm.weight * hidden.to(dtype)
 
 
+def _olmo_norm(norm, hidden: torch.Tensor) -> torch.Tensor:
+    """`Olmo2RMSNorm.forward`, operation for operation: the product with the weight in float32, then cast."""
+    dtype = hidden.dtype
+    hidden = hidden.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + norm.variance_epsilon)
+    return (norm.weight * hidden).to(dtype)
+
+
 def _gemma_norm(norm, hidden: torch.Tensor) -> torch.Tensor:
     """`Gemma3RMSNorm.forward` (and Gemma 2's), operation for operation: the product with `1 + weight` in float32, then cast."""
     x = hidden.float()
     out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
     return (out * (1.0 + norm.weight.float())).type_as(hidden)
+
+
+_LINEARS = tuple(f"self_attn.{n}_proj" for n in "qkvo") + tuple(f"mlp.{n}_proj" for n in ("gate", "up", "down"))
 
 
 @dataclass(frozen=True)
@@ -164,7 +223,8 @@ class _Family:
     norms: tuple[str, ...]  # the layer's norms, by attribute path
     attention_kwargs: Callable = lambda attn: {}  # attention module -> what else the family's forward passes
     qk_norm: bool = False  # query and key normed per head (Qwen 3, Gemma 3)
-    gemma: bool = False  # Gemma's structure (`gemma_layer`), not Llama's
+    kind: str = "llama"  # the structure, and so the call that computes it: "llama", "gemma", "phi3", "olmo2"
+    linears: tuple[str, ...] = _LINEARS  # the layer's linear layers, by attribute path
 
 
 _NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -175,19 +235,26 @@ _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 def _window(attn) -> dict:
     return {"sliding_window": attn.sliding_window}
 
+
+def _config_window(attn) -> dict:
+    return {"sliding_window": getattr(attn.config, "sliding_window", None)}
+
 _FAMILIES = {  # transformers' modeling module: (its class prefix, what its layers' forward differs in)
     "transformers.models.llama.modeling_llama": ("Llama", dict(norms=_NORMS)),
-    "transformers.models.mistral.modeling_mistral": (
-        "Mistral", dict(norms=_NORMS, attention_kwargs=lambda attn: {
-            "sliding_window": getattr(attn.config, "sliding_window", None)})),
+    "transformers.models.mistral.modeling_mistral": ("Mistral", dict(norms=_NORMS, attention_kwargs=_config_window)),
     "transformers.models.qwen2.modeling_qwen2": ("Qwen2", dict(norms=_NORMS, attention_kwargs=_window)),
     "transformers.models.qwen3.modeling_qwen3": (
         "Qwen3", dict(norms=_NORMS + _QK_NORMS, attention_kwargs=_window, qk_norm=True)),
     "transformers.models.gemma2.modeling_gemma2": (
-        "Gemma2", dict(norms=_GEMMA_NORMS, gemma=True, attention_kwargs=lambda attn: {
+        "Gemma2", dict(norms=_GEMMA_NORMS, kind="gemma", attention_kwargs=lambda attn: {
             "sliding_window": attn.sliding_window, "softcap": attn.attn_logit_softcapping})),
     "transformers.models.gemma3.modeling_gemma3": (
-        "Gemma3", dict(norms=_GEMMA_NORMS + _QK_NORMS, attention_kwargs=_window, qk_norm=True, gemma=True)),
+        "Gemma3", dict(norms=_GEMMA_NORMS + _QK_NORMS, attention_kwargs=_window, qk_norm=True, kind="gemma")),
+    "transformers.models.phi3.modeling_phi3": (
+        "Phi3", dict(norms=_NORMS, kind="phi3", linears=("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                                                         "mlp.down_proj"), attention_kwargs=_config_window)),
+    "transformers.models.olmo2.modeling_olmo2": (
+        "Olmo2", dict(norms=("post_attention_layernorm", "post_feedforward_layernorm") + _QK_NORMS, kind="olmo2")),
 }
 
 
@@ -220,13 +287,10 @@ def _plain(layer, family: _Family) -> bool:
     checked = _PLAIN.setdefault(layer, {})
     modules = checked.get(family.layer)
     if modules is None:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        linears = [getattr(m, name, None) for m, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                                                          (mlp, ("gate_proj", "up_proj", "down_proj")))
-                   for name in names]
-        plain = (type(layer) is family.layer and type(attn) is family.attention and type(mlp) is family.mlp
+        plain = (type(layer) is family.layer and type(getattr(layer, "self_attn", None)) is family.attention
+                 and type(getattr(layer, "mlp", None)) is family.mlp
                  and all(type(_attribute(layer, n)) is family.norm for n in family.norms)
-                 and all(type(m) is nn.Linear for m in linears))
+                 and all(type(_attribute(layer, n)) is nn.Linear for n in family.linears))
         modules = checked[family.layer] = tuple(layer.modules()) if plain else ()
     hooked = any(_live_hooks(m) or hasattr(m, "_hf_hook") for m in modules)  # `_hf_hook`: accelerate's
     return bool(modules) and not (_global_hooks() or hooked)
@@ -259,6 +323,8 @@ LAYER_CALLS: dict[str, Callable[..., torch.Tensor]] = {
     "decoder_layer": decoder_layer,
     "llama_layer": llama_layer,
     "gemma_layer": gemma_layer,
+    "phi3_layer": phi3_layer,
+    "olmo2_layer": olmo2_layer,
     "gpt2_block": gpt2_block,
 }
 

@@ -1,5 +1,6 @@
-"""`layer_call.llama_layer`, `gemma_layer`: a layer computed from its parts is the layer's own forward, bit for bit
-(Llama, Mistral, Qwen 2, Qwen 3, Gemma 2, Gemma 3).
+"""`layer_call`'s direct layers (`llama_layer`, `gemma_layer`, `phi3_layer`, `olmo2_layer`): a layer computed
+from its parts is the layer's own forward, bit for bit (Llama, Mistral, Qwen 2, Qwen 3, Gemma 2, Gemma 3, Phi-3,
+OLMo 2).
 
 - float32, bfloat16 and float64, on the runner's passes (a prefill, a one-token step, a masked chain, a
   token tree, a batch's rows): logits and every cache entry equal (`torch.equal`) those of the layer's own
@@ -40,7 +41,8 @@ def passes(parts) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 
 DIRECT = [("llama", "llama_layer"), ("gemma3_text", "gemma_layer"), ("gemma3", "gemma_layer"),
-          ("mistral", "llama_layer"), ("qwen2", "llama_layer"), ("qwen3", "llama_layer"), ("gemma2", "gemma_layer")]
+          ("mistral", "llama_layer"), ("qwen2", "llama_layer"), ("qwen3", "llama_layer"), ("gemma2", "gemma_layer"),
+          ("phi3", "phi3_layer"), ("olmo2", "olmo2_layer")]
 
 
 @pytest.mark.parametrize("family,call", DIRECT)
@@ -106,8 +108,8 @@ def test_anything_but_a_plain_llama_layer_runs_its_own_forward(monkeypatch):
     llama = layer_call._family_of(parts.layers[0])
     gemma = tiny_model("gemma3_text", torch.float32).model.layers[0]
     qwen = tiny_model("qwen3", torch.float32).model.layers[0]
-    phi = tiny_model("phi3", torch.float32).model.layers[0]
-    assert layer_call._family_of(phi) is None  # a family without a direct call: its own forward, always
+    gpt2 = tiny_model("gpt2", torch.float32).transformer.h[0]
+    assert layer_call._family_of(gpt2) is None  # a family without a direct call: its own forward, always
     assert not layer_call._plain(gemma, llama) and not layer_call._plain(qwen, llama)  # another family's classes
     assert layer_call._plain(gemma, layer_call._family_of(gemma)) and layer_call._plain(qwen, layer_call._family_of(qwen))
 
@@ -134,7 +136,7 @@ def test_the_hooks_transformers_leaves_after_hidden_states_keep_the_direct_layer
     assert all(torch.equal(a, b) for a, b in zip(states, again))
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "gemma2", "mistral", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "gemma2", "mistral", "qwen3", "phi3", "olmo2"])
 def test_greedy_generation_with_the_direct_layer_equals_generate(family):
     model = tiny_model(family, torch.float64)
     prompt = random_prompt(20, seed=2)
