@@ -53,7 +53,28 @@ def gpt2_block(layer, hidden: torch.Tensor, *, mask, position_embeddings, positi
     return out[0] if isinstance(out, tuple) else out
 
 
-def llama_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, position_ids, cache) -> torch.Tensor:
+def _direct(kind: str):
+    """A direct call for layers of structure `kind`: the decorated body gets the layer's family first; any layer
+    that is not that family's plain layer, or is training, runs its own forward (`decoder_layer`)."""
+
+    def decorate(body):
+        @functools.wraps(body)
+        def call(layer, hidden: torch.Tensor, *, mask, position_embeddings, position_ids, cache) -> torch.Tensor:
+            family = _family_of(layer)
+            if layer.training or family is None or family.kind != kind or not _plain(layer, family):
+                return decoder_layer(layer, hidden, mask=mask, position_embeddings=position_embeddings,
+                                     position_ids=position_ids, cache=cache)
+            return body(family, layer, hidden, mask=mask, position_embeddings=position_embeddings,
+                        position_ids=position_ids, cache=cache)
+
+        return call
+
+    return decorate
+
+
+@_direct("llama")
+def llama_layer(family: "_Family", layer, hidden: torch.Tensor, *, mask, position_embeddings, position_ids,
+                cache) -> torch.Tensor:
     """A decoder layer of the Llama structure (Llama, Mistral, Qwen 2, Qwen 3), computed from its parts without
     its module calls.
 
@@ -69,10 +90,6 @@ def llama_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, posit
     hooked linear, a norm of another kind, training mode) runs its own
     forward.
     """
-    family = _family_of(layer)
-    if layer.training or family is None or family.kind != "llama" or not _plain(layer, family):
-        return decoder_layer(layer, hidden, mask=mask, position_embeddings=position_embeddings,
-                             position_ids=position_ids, cache=cache)
     linear = linear_function()
     attn = layer.self_attn
     residual = hidden
@@ -86,7 +103,9 @@ def llama_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, posit
     return hidden + _mlp(linear, layer.mlp, _rms_norm(layer.post_attention_layernorm, hidden))
 
 
-def gemma_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, position_ids, cache) -> torch.Tensor:
+@_direct("gemma")
+def gemma_layer(gemma: "_Family", layer, hidden: torch.Tensor, *, mask, position_embeddings, position_ids,
+                cache) -> torch.Tensor:
     """transformers' Gemma 2 and Gemma 3 decoder layers, computed from their parts as `llama_layer` computes
     Llama's.
 
@@ -97,10 +116,6 @@ def gemma_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, posit
     The same fallback: a layer of another structure, hooked or training runs
     its own forward.
     """
-    gemma = _family_of(layer)
-    if layer.training or gemma is None or gemma.kind != "gemma" or not _plain(layer, gemma):
-        return decoder_layer(layer, hidden, mask=mask, position_embeddings=position_embeddings,
-                             position_ids=position_ids, cache=cache)
     linear = linear_function()
     attn = layer.self_attn
     residual = hidden
@@ -115,13 +130,11 @@ def gemma_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, posit
     return hidden + _gemma_norm(layer.post_feedforward_layernorm, mlp)
 
 
-def phi3_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, position_ids, cache) -> torch.Tensor:
+@_direct("phi3")
+def phi3_layer(phi: "_Family", layer, hidden: torch.Tensor, *, mask, position_embeddings, position_ids,
+               cache) -> torch.Tensor:
     """transformers' Phi-3 decoder layer, computed from its parts as `llama_layer` computes Llama's: one fused
     query-key-value projection, one fused gate-up projection (the residual dropouts are identities in eval)."""
-    phi = _family_of(layer)
-    if layer.training or phi is None or phi.kind != "phi3" or not _plain(layer, phi):
-        return decoder_layer(layer, hidden, mask=mask, position_embeddings=position_embeddings,
-                             position_ids=position_ids, cache=cache)
     linear = linear_function()
     attn, mlp = layer.self_attn, layer.mlp
     residual = hidden
@@ -138,14 +151,12 @@ def phi3_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, positi
     return hidden + linear(up * mlp.activation_fn(gate), mlp.down_proj.weight, mlp.down_proj.bias)
 
 
-def olmo2_layer(layer, hidden: torch.Tensor, *, mask, position_embeddings, position_ids, cache) -> torch.Tensor:
+@_direct("olmo2")
+def olmo2_layer(olmo: "_Family", layer, hidden: torch.Tensor, *, mask, position_embeddings, position_ids,
+                cache) -> torch.Tensor:
     """transformers' OLMo 2 decoder layer, computed from its parts as `llama_layer` computes Llama's: no input
     norm, the query and key normed over all heads, norms after the attention and the MLP (the product with the
     weight in float32)."""
-    olmo = _family_of(layer)
-    if layer.training or olmo is None or olmo.kind != "olmo2" or not _plain(layer, olmo):
-        return decoder_layer(layer, hidden, mask=mask, position_embeddings=position_embeddings,
-                             position_ids=position_ids, cache=cache)
     linear = linear_function()
     attn = layer.self_attn
     shape = (*hidden.shape[:-1], -1, attn.head_dim)
