@@ -195,28 +195,25 @@ def _mlp(linear, mlp, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def _rms_norm(norm, hidden: torch.Tensor) -> torch.Tensor:
-    """`LlamaRMSNorm.forward`, operation for operation."""
-    dtype = hidden.dtype
-    hidden = hidden.to(torch.float32)
-    variance = hidden.pow(2).mean(-1, keepdim=True)
-    hidden = hidden * torch.rsqrt(variance + norm.variance_epsilon)
-    return norm.weight * hidden.to(dtype)
+    """`LlamaRMSNorm.forward`, operation for operation: cast back, then the product with the weight."""
+    return norm.weight * _normalized(hidden, norm.variance_epsilon).to(hidden.dtype)
 
 
 def _olmo_norm(norm, hidden: torch.Tensor) -> torch.Tensor:
     """`Olmo2RMSNorm.forward`, operation for operation: the product with the weight in float32, then cast."""
-    dtype = hidden.dtype
-    hidden = hidden.to(torch.float32)
-    variance = hidden.pow(2).mean(-1, keepdim=True)
-    hidden = hidden * torch.rsqrt(variance + norm.variance_epsilon)
-    return (norm.weight * hidden).to(dtype)
+    return (norm.weight * _normalized(hidden, norm.variance_epsilon)).to(hidden.dtype)
 
 
 def _gemma_norm(norm, hidden: torch.Tensor) -> torch.Tensor:
-    """`Gemma3RMSNorm.forward` (and Gemma 2's), operation for operation: the product with `1 + weight` in float32, then cast."""
-    x = hidden.float()
-    out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
-    return (out * (1.0 + norm.weight.float())).type_as(hidden)
+    """`Gemma3RMSNorm.forward` (and Gemma 2's), operation for operation: the product with `1 + weight` in
+    float32, then cast."""
+    return (_normalized(hidden, norm.eps) * (1.0 + norm.weight.float())).to(hidden.dtype)
+
+
+def _normalized(hidden: torch.Tensor, eps: float) -> torch.Tensor:
+    """The RMS normalization every family's norm starts with, in float32: x * rsqrt(mean(x^2) + eps)."""
+    hidden = hidden.to(torch.float32)
+    return hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
 
 
 _LINEARS = tuple(f"self_attn.{n}_proj" for n in "qkvo") + tuple(f"mlp.{n}_proj" for n in ("gate", "up", "down"))
@@ -249,6 +246,7 @@ def _window(attn) -> dict:
 
 def _config_window(attn) -> dict:
     return {"sliding_window": getattr(attn.config, "sliding_window", None)}
+
 
 _FAMILIES = {  # transformers' modeling module: (its class prefix, what its layers' forward differs in)
     "transformers.models.llama.modeling_llama": ("Llama", dict(norms=_NORMS)),
@@ -295,7 +293,9 @@ def _plain(layer, family: _Family) -> bool:
 
     The classes are checked once per layer; hooks at every call (one may be registered at any time).
     """
-    checked = _PLAIN.setdefault(layer, {})
+    checked = _PLAIN.get(layer)
+    if checked is None:
+        checked = _PLAIN[layer] = {}
     modules = checked.get(family.layer)
     if modules is None:
         plain = (type(layer) is family.layer and type(getattr(layer, "self_attn", None)) is family.attention
