@@ -61,7 +61,7 @@ def _direct(kind: str):
         @functools.wraps(body)
         def call(layer, hidden: torch.Tensor, *, mask, position_embeddings, position_ids, cache) -> torch.Tensor:
             family = _family_of(layer)
-            if layer.training or family is None or family.kind != kind or not _plain(layer, family):
+            if layer.training or family is None or family.kind != kind or not _plain(layer, family, hidden.device):
                 return decoder_layer(layer, hidden, mask=mask, position_embeddings=position_embeddings,
                                      position_ids=position_ids, cache=cache)
             return body(family, layer, hidden, mask=mask, position_embeddings=position_embeddings,
@@ -286,10 +286,11 @@ def _family(module_name: str) -> _Family | None:
 _PLAIN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _plain(layer, family: _Family) -> bool:
-    """Whether `layer` is `family`'s decoder layer as transformers makes it: its classes, plain linears, and no
-    hooks now (torch's, or accelerate's, which loads offloaded weights for the call: such a layer runs its own
-    forward).
+def _plain(layer, family: _Family, device: torch.device) -> bool:
+    """Whether `layer` is `family`'s decoder layer as transformers makes it, ready to compute on `device`: its
+    classes, plain linears, and no hook now that could act on the call (torch's; accelerate's, but for one that
+    only keeps a resident layer on `device`, see `_inert`). A hooked layer runs its own forward, so an
+    offloaded layer's hook still loads its weights.
 
     The classes are checked once per layer; hooks at every call (one may be registered at any time).
     """
@@ -303,8 +304,22 @@ def _plain(layer, family: _Family) -> bool:
                  and all(type(_attribute(layer, n)) is family.norm for n in family.norms)
                  and all(type(_attribute(layer, n)) is nn.Linear for n in family.linears))
         modules = checked[family.layer] = tuple(layer.modules()) if plain else ()
-    hooked = any(_live_hooks(m) or hasattr(m, "_hf_hook") for m in modules)  # `_hf_hook`: accelerate's
+    hooked = any(_live_hooks(m) or not _inert(m.__dict__.get("_hf_hook"), device) for m in modules)
     return bool(modules) and not (_global_hooks() or hooked)
+
+
+def _inert(hook, device: torch.device) -> bool:
+    """Whether accelerate's hook on a module (`_hf_hook`; None: no hook) leaves a call on `device` as it is: an
+    `AlignDevicesHook` that loads no weights and computes on `device`, where the module's weights are. Its
+    work, moving the inputs to that device and the output back to theirs, is then nothing. accelerate leaves
+    such hooks on every resident layer of a model it dispatched."""
+    if hook is None:
+        return True
+    if type(hook).__name__ != "AlignDevicesHook" or type(hook).__module__ != "accelerate.hooks" or hook.offload:
+        return False
+    where = hook.execution_device
+    where = torch.device("cuda", where) if isinstance(where, int) else torch.device(where)
+    return where == device
 
 
 def _attribute(module, path: str):

@@ -110,8 +110,10 @@ def test_anything_but_a_plain_llama_layer_runs_its_own_forward(monkeypatch):
     qwen = tiny_model("qwen3", torch.float32).model.layers[0]
     gpt2 = tiny_model("gpt2", torch.float32).transformer.h[0]
     assert layer_call._family_of(gpt2) is None  # a family without a direct call: its own forward, always
-    assert not layer_call._plain(gemma, llama) and not layer_call._plain(qwen, llama)  # another family's classes
-    assert layer_call._plain(gemma, layer_call._family_of(gemma)) and layer_call._plain(qwen, layer_call._family_of(qwen))
+    cpu = torch.device("cpu")
+    assert not layer_call._plain(gemma, llama, cpu) and not layer_call._plain(qwen, llama, cpu)  # another family
+    assert layer_call._plain(gemma, layer_call._family_of(gemma), cpu)
+    assert layer_call._plain(qwen, layer_call._family_of(qwen), cpu)
 
 
 def test_the_hooks_transformers_leaves_after_hidden_states_keep_the_direct_layer(monkeypatch):

@@ -353,3 +353,29 @@ def test_a_batch_of_rows_streams_the_offloaded_layers(tmp_path, monkeypatch):
     assert [row.new_tokens for row in rows] == expected
     assert loads[0] == 0 and spec.parts.stream.bytes_read > 0
     assert session.stats.streamed_bytes == spec.parts.stream.bytes_read  # the session's stats say what it read
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "hooks"])
+def test_resident_layers_of_a_dispatched_model_run_the_direct_call(stream, tmp_path, monkeypatch):
+    """accelerate leaves an `AlignDevicesHook` on every resident layer that only keeps it on its device: those
+    layers run selfspec's direct call (`layer_call._inert`). A layer a hook loads runs its own forward, and a
+    streamed one the direct call with its hooks set aside. Greedy output stays the target's."""
+    from accelerate.hooks import AlignDevicesHook, SequentialHook
+
+    import selfspec.layer_call as layer_call
+
+    model, prompt, expected, n = half_offloaded("llama", tmp_path)
+    spec = selfspec.wrap(model, offload_stream=stream, costs="flat")
+    assert "_hf_hook" in spec.parts.layers[0].__dict__  # accelerate's, on a resident layer
+    own = []
+    real = layer_call.decoder_layer
+    monkeypatch.setattr(layer_call, "decoder_layer", lambda layer, *a, **k: own.append(layer) or real(layer, *a, **k))
+    assert torch.equal(spec.generate(prompt, max_new_tokens=24), expected)
+    ran_own = {i for i, layer in enumerate(spec.parts.layers) if any(layer is o for o in own)}
+    assert ran_own == (set() if stream else set(range(n // 2, n)))  # hooks mode: the hook loads them
+    cpu = torch.device("cpu")
+    assert layer_call._inert(None, cpu) and layer_call._inert(AlignDevicesHook(execution_device="cpu"), cpu)
+    assert not layer_call._inert(AlignDevicesHook(execution_device="cpu", offload=True), cpu)  # loads weights
+    assert not layer_call._inert(AlignDevicesHook(execution_device=0), cpu)  # would move the inputs to a GPU
+    assert not layer_call._inert(SequentialHook(AlignDevicesHook(execution_device="cpu")), cpu)
+    assert layer_call._inert(AlignDevicesHook(execution_device=0), torch.device("cuda", 0))
