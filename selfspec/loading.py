@@ -36,8 +36,8 @@ import torch
 import transformers
 from safetensors import SafetensorError
 
-from .heap import give_back_freed
-from .offload import Offload
+from .heap import give_back_freed, one_heap
+from .offload import BUDGET_CONTEXT, Offload
 from .quant import check_quantize_options, quantize_model, quiet_torchao_import
 
 with quiet_torchao_import():  # transformers' modeling code imports torchao when it is installed
@@ -246,6 +246,7 @@ def load(
     max_memory: dict | int | str | None = None,
     device_map: dict | str | None = None,
     offload_folder: str | os.PathLike | None = None,
+    budget_context: int = BUDGET_CONTEXT,
 ) -> ModelAndTokenizer:
     """Load a causal LM and its tokenizer, ready for inference.
 
@@ -268,9 +269,12 @@ def load(
     replaced, so loading peaks at the float model's size.
 
     Offloading (`selfspec.offload`): `max_memory` as a budget ("300MiB" or
-    bytes) keeps the embeddings, LM head and norms in fast memory, then as
-    many layers as fit, in order; the rest go to CPU memory behind a GPU, to
-    disk (`offload_folder`, default under the cache folder) behind the CPU.
+    bytes) first keeps room for a generation of `budget_context` positions
+    (the KV cache, a prefill's activations, a verify pass's logits), then
+    the embeddings, LM head and norms in fast memory, then as many layers as
+    fit, in order; the rest go to CPU memory behind a GPU, to disk
+    (`offload_folder`, default under the cache folder) behind the CPU. On
+    the CPU, malloc then keeps one heap for all threads (`heap.one_heap`).
     `device_map`, or `max_memory` as accelerate's dict, pass through to
     `from_pretrained` as accelerate's conventions say. `wrap` then drafts
     from resident weights only.
@@ -285,7 +289,10 @@ def load(
         if quantize is not None:
             raise ValueError("quantize= and offloading (max_memory=, device_map=) together are not supported: "
                              "pick one")
-        offload = Offload(device_map=device_map, max_memory=max_memory, offload_folder=offload_folder)
+        offload = Offload(device_map=device_map, max_memory=max_memory, offload_folder=offload_folder,
+                          context=budget_context)
+        if offload.budget is not None and device.type == "cpu":  # what threads free, the others reuse
+            one_heap()
     model, tokenizer = _load_model(name_or_path, torch_dtype, device, cache_dir, progress, verify, offload)
     if offload is not None:  # converting and placing held several times the budget, freed now: give it back
         give_back_freed(device)

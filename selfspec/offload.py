@@ -9,10 +9,12 @@ hooks). This module says which layers are offloaded, so that the default
 plan drafts only from resident weights and a plan that drafts through
 offloaded layers is warned about.
 
-`budget_device_map` places a model for a byte budget: embeddings, LM head
-and final norm first, then room for the two slots offloaded layers stream
-through, then as many layers as fit, in order; the rest go to the offload
-tier ("cpu" behind a GPU, "disk" behind the CPU).
+`budget_device_map` places a model for a byte budget: room for a
+generation's working set first (`working_set_bytes`: the KV cache, a
+prefill's activations and a verify pass's logits for a context), then the
+embeddings, LM head and final norm, then room for the two slots offloaded
+layers stream through, then as many layers as fit, in order; the rest go to
+the offload tier ("cpu" behind a GPU, "disk" behind the CPU).
 
 This module reads module placement; it does not load weights or decide drafts.
 """
@@ -26,6 +28,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+# Positions a budget keeps room for unless told otherwise (`selfspec.load(budget_context=)`): the KV cache and the
+# prefill of a prompt that long.
+BUDGET_CONTEXT = 1024
+VERIFY_ROWS = 17  # the widest verify pass a budget keeps logits for: the default plans' trees of 16 nodes and the root
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -75,26 +81,54 @@ class Placement:
     resident_bytes: int
     offloaded_bytes: int
     offloaded_layers: tuple[int, ...]
+    reserved_bytes: int = 0  # kept free for a generation's working set
+
+
+def working_set_bytes(config, dtype: torch.dtype, context: int) -> int:
+    """Bytes a generation of up to `context` positions holds beside the weights (`config`: the text decoder's).
+
+    - the KV cache: context x layers x kv heads x head dim x 2 x dtype size (`memory.kv_cache_bytes`);
+    - a prefill of `context` tokens, what one layer holds at once, per token, in the dtype: the residual
+      stream and normed states (2 x hidden), query, key and value and their head-major copies (2 x (query +
+      2 x kv width)), the rotary function's five terms over query and key (5 x (query + kv width)), attention
+      and projected output (2 x hidden), the MLP's gate, up, activation, product and output (5 x
+      intermediate); and the norm's four float32 terms (4 x hidden x 4 bytes);
+    - a verify pass's logits over `VERIFY_ROWS` rows: in the dtype and two float32 copies (the scores and
+      their probabilities).
+    Library pages, kernel caches and the allocator's slack are not counted (`benchmarks/offload_memory.py`
+    measures them).
+    """
+    size = torch.empty(0, dtype=dtype).element_size()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_width = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    query, hidden = heads * head_dim, config.hidden_size
+    inner = getattr(config, "intermediate_size", None) or 4 * hidden
+    kv = context * config.num_hidden_layers * kv_width * 2 * size
+    layer = (4 * hidden + 2 * (query + 2 * kv_width) + 5 * (query + kv_width) + 5 * inner) * size + 4 * hidden * 4
+    return kv + context * layer + VERIFY_ROWS * config.vocab_size * (size + 8)
 
 
 def budget_device_map(sizes: dict[str, int], layer_names: list[str], *, budget: int, fast: str,
-                      slow: str) -> Placement:
+                      slow: str, reserve: int = 0) -> Placement:
     """Place modules (their byte `sizes`, by name) in `budget` bytes of `fast` memory, the rest on `slow`.
 
-    Every module that is not a layer goes first (embeddings, LM head, norms: the draft reads them), then
-    layers in order while they fit. A budget short of the non-layer modules is refused, naming the bytes.
+    `reserve` bytes stay free first (a generation's working set, `working_set_bytes`). Every module that is
+    not a layer goes next (embeddings, LM head, norms: the draft reads them), then layers in order while they
+    fit. A budget short of the reserve and the non-layer modules is refused, naming the bytes.
     """
     others = {name: size for name, size in sizes.items() if name not in layer_names}
-    needed = sum(others.values())
+    needed = sum(others.values()) + reserve
+    kept = f" and a generation's working set of {_size(reserve)}" if reserve else ""
     if needed > budget:
         raise ValueError(f"a memory budget of {_size(budget)} is under the {_size(needed)} that must stay resident "
-                         f"for the draft (the embeddings, LM head and norms)")
+                         f"for the draft (the embeddings, LM head and norms{kept})")
     # Offloaded layers stream through two slots of one layer each (`streaming.py`): room kept for them.
     slots = 0 if needed + sum(sizes[n] for n in layer_names) <= budget else 2 * max(sizes[n] for n in layer_names)
     if needed + slots > budget:
         raise ValueError(f"a memory budget of {_size(budget)} is under the {_size(needed + slots)} that must stay "
-                         f"resident for the draft (the embeddings, LM head and norms: {_size(needed)}) and the two "
-                         f"layer slots offloaded layers stream through")
+                         f"resident for the draft (the embeddings, LM head and norms{kept}: {_size(needed)}) and "
+                         f"the two layer slots offloaded layers stream through")
     device_map = {name: fast for name in others}
     used, offloaded = needed + slots, []
     for i, name in enumerate(layer_names):
@@ -104,7 +138,8 @@ def budget_device_map(sizes: dict[str, int], layer_names: list[str], *, budget: 
         else:
             device_map[name] = slow
             offloaded.append(i)
-    return Placement(device_map, used, sum(sizes[layer_names[i]] for i in offloaded), tuple(offloaded))
+    return Placement(device_map, used - reserve, sum(sizes[layer_names[i]] for i in offloaded), tuple(offloaded),
+                     reserve)
 
 
 def module_sizes(model: nn.Module, names: list[str]) -> dict[str, int]:
@@ -199,10 +234,18 @@ class Offload:
     device_map: dict | str | None = None
     max_memory: dict | int | str | None = None
     offload_folder: str | os.PathLike | None = None
+    context: int = BUDGET_CONTEXT  # positions a budget alone keeps a working set for (`working_set_bytes`)
 
     def __post_init__(self) -> None:
         if self.max_memory is not None and not isinstance(self.max_memory, dict):
             parse_bytes(self.max_memory)  # a bad size fails before any loading
+        if isinstance(self.context, bool) or not isinstance(self.context, int) or self.context < 0:
+            raise ValueError(f"budget_context must be a count of positions >= 0, got {self.context!r}")
+
+    @property
+    def budget(self) -> int | None:
+        """The budget alone (bytes), or None where accelerate's own conventions place the model."""
+        return None if self.device_map is not None or isinstance(self.max_memory, dict) else parse_bytes(self.max_memory)
 
     def placement(self, folder, dtype: torch.dtype, device: torch.device, default_folder) -> dict:
         """Keyword arguments for `from_pretrained`: a device map, the offload folder, accelerate's max_memory."""
@@ -213,12 +256,15 @@ class Offload:
                 kwargs["max_memory"] = self.max_memory
             return kwargs
         fast, slow = ("cpu", "disk") if device.type == "cpu" else (str(device), "cpu")
-        placed = place_for_budget(folder, dtype, parse_bytes(self.max_memory), fast=fast, slow=slow)
+        placed = place_for_budget(folder, dtype, parse_bytes(self.max_memory), fast=fast, slow=slow,
+                                  context=self.context)
         return {"device_map": placed.device_map, "offload_folder": offload_folder}
 
 
-def place_for_budget(folder, dtype: torch.dtype, budget: int, *, fast: str, slow: str) -> Placement:
-    """`budget_device_map` for the model in `folder`, sized on an empty (meta) copy built from its config."""
+def place_for_budget(folder, dtype: torch.dtype, budget: int, *, fast: str, slow: str,
+                     context: int = BUDGET_CONTEXT) -> Placement:
+    """`budget_device_map` for the model in `folder`, sized on an empty (meta) copy built from its config, with
+    room kept for a generation of `context` positions (`working_set_bytes`)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -226,4 +272,7 @@ def place_for_budget(folder, dtype: torch.dtype, budget: int, *, fast: str, slow
         skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=dtype)
     skeleton.tie_weights()  # a tied LM head counts once (an empty model is built untied)
     names, layer_names = top_level_names(skeleton, layers_path(skeleton))
-    return budget_device_map(module_sizes(skeleton, names), layer_names, budget=budget, fast=fast, slow=slow)
+    config = skeleton.config.get_text_config()  # the text decoder's (Gemma 3's `text_config`)
+    reserve = working_set_bytes(config, dtype, context)
+    return budget_device_map(module_sizes(skeleton, names), layer_names, budget=budget, fast=fast, slow=slow,
+                             reserve=reserve)

@@ -12,8 +12,8 @@ import torch
 
 import selfspec
 from selfspec.cli import main
-from selfspec.offload import (budget_device_map, describe_layers, layers_path, offload_layers, parse_bytes,
-                              place_for_budget)
+from selfspec.offload import (BUDGET_CONTEXT, budget_device_map, describe_layers, layers_path, offload_layers,
+                              parse_bytes, place_for_budget, working_set_bytes)
 from selfspec.registry import adapter_for
 from selfspec.testing import TINY_CONFIGS, random_prompt, save_tiny_llama, tiny_model
 
@@ -141,6 +141,27 @@ def test_a_budget_places_embeddings_and_head_first_then_layers_in_order():
         budget_device_map(sizes, layers, budget=203, fast="cpu", slow="disk")
     with pytest.raises(ValueError, match=r"budget of 303 bytes .* under the 304 bytes .* two layer slots"):
         budget_device_map(sizes, layers, budget=303, fast="cpu", slow="disk")
+    # A reserve for the working set is kept first: the same placement takes that much more.
+    kept = budget_device_map(sizes, layers, budget=360 + 1000, fast="cpu", slow="disk", reserve=1000)
+    assert kept.device_map == placed.device_map and kept.resident_bytes == 354 and kept.reserved_bytes == 1000
+    with pytest.raises(ValueError, match=r"under the 1204 bytes .* working set of 1000 bytes"):
+        budget_device_map(sizes, layers, budget=1203, fast="cpu", slow="disk", reserve=1000)
+
+
+def test_the_working_set_a_budget_keeps_grows_with_the_context():
+    """The KV cache term is what `spec.memory()` counts for the context; the rest is a prefill's activations
+    and a verify pass's logits, in the dtype."""
+    from selfspec.memory import kv_cache_bytes
+
+    model = tiny_model("llama", torch.float32)
+    parts = selfspec.wrap(model, plan=selfspec.DraftPlan.plain()).parts
+    config = model.config
+    sizes = [working_set_bytes(config, torch.float32, n) for n in (0, 100, 200)]
+    assert 0 < sizes[0] < sizes[1] < sizes[2] and sizes[2] - sizes[1] == sizes[1] - sizes[0]  # linear in context
+    per_token = sizes[1] - sizes[0]
+    kv = kv_cache_bytes(parts, config, context=100) // 100
+    assert per_token > kv  # the KV cache and the prefill's activations
+    assert working_set_bytes(config, torch.bfloat16, 100) < sizes[1]  # 2-byte activations
 
 
 def test_sizes_parse_and_bad_ones_are_refused():
@@ -161,12 +182,17 @@ def folder(tmp_path_factory) -> Path:
     return path
 
 
-def test_load_with_a_budget_offloads_the_last_layers_and_keeps_the_output(folder, tmp_path):
+def test_load_with_a_budget_offloads_the_last_layers_and_keeps_the_output(folder, tmp_path, monkeypatch):
+    import selfspec.loading
+
     reference, _ = selfspec.load(str(folder))
-    layer = sum(p.numel() * p.element_size() for p in reference.model.layers[0].parameters())
     whole = sum(p.numel() * p.element_size() for p in reference.parameters())
-    budget = whole - 1  # not everything fits: one layer stays beside the two slots offloaded layers stream through
+    reserve = working_set_bytes(reference.config, torch.float32, BUDGET_CONTEXT)
+    budget = whole + reserve - 1  # not everything fits: one layer stays beside the two slots layers stream through
+    heaps = []
+    monkeypatch.setattr(selfspec.loading, "one_heap", lambda: heaps.append(1) or True)
     model, _ = selfspec.load(str(folder), max_memory=budget, offload_folder=tmp_path / "off")
+    assert heaps == [1]  # a budget on the CPU: one malloc heap for every thread
     assert model.hf_device_map["model.layers.0"] == "cpu" and model.hf_device_map["model.layers.1"] == "disk"
     spec = selfspec.wrap(model)
     assert spec.offloaded == (1, 2, 3) and spec.parts.stream.order == [1, 2, 3]  # selfspec streams them
@@ -175,6 +201,10 @@ def test_load_with_a_budget_offloads_the_last_layers_and_keeps_the_output(folder
                        reference.generate(prompt, do_sample=False, max_new_tokens=16))
     with pytest.raises(ValueError, match="must stay resident"):
         selfspec.load(str(folder), max_memory=1024)
+    with pytest.raises(ValueError, match=r"a generation's working set of"):
+        selfspec.load(str(folder), max_memory=whole)  # the weights fit, their working set does not
+    with pytest.raises(ValueError, match="budget_context"):
+        selfspec.load(str(folder), max_memory=budget, budget_context=-1)
     with pytest.raises(ValueError, match="not a size"):
         selfspec.load(str(folder), max_memory="a lot")
     with pytest.raises(ValueError, match="quantize= and offloading"):
@@ -186,7 +216,8 @@ def test_a_checkpoint_stored_in_another_dtype_streams_converted(folder, tmp_path
     reference, _ = selfspec.load(str(folder), dtype="bfloat16")
     layer = sum(p.numel() * p.element_size() for p in reference.model.layers[0].parameters())
     whole = sum(p.numel() * p.element_size() for p in reference.parameters())
-    budget = whole - 2 * layer + 1024  # the rest and the two slots: no layer stays
+    reserve = working_set_bytes(reference.config, torch.bfloat16, BUDGET_CONTEXT)
+    budget = whole - 2 * layer + 1024 + reserve  # the working set, the rest and the two slots: no layer stays
     model, _ = selfspec.load(str(folder), dtype="bfloat16", max_memory=budget, offload_folder=tmp_path / "off")
     spec = selfspec.wrap(model, costs="flat")
     assert spec.parts.stream.order == [0, 1, 2, 3]
@@ -202,10 +233,15 @@ def test_a_checkpoint_stored_in_another_dtype_streams_converted(folder, tmp_path
 
 
 def test_generate_cli_takes_a_memory_budget(folder, tmp_path, capsys):
-    assert main(["generate", "--model", str(folder), "--max-memory", "100KiB", "--offload-folder",
-                 str(tmp_path / "off"), "--max-new-tokens", "6", "w1 w2 w3"]) == 0
+    from selfspec.cli import common
+
+    assert common.BUDGET_CONTEXT == BUDGET_CONTEXT  # the CLI names it without importing torch
+    assert main(["generate", "--model", str(folder), "--max-memory", "200KiB", "--budget-context", "16",
+                 "--offload-folder", str(tmp_path / "off"), "--max-new-tokens", "6", "w1 w2 w3"]) == 0
     out = capsys.readouterr().out
     assert "offloaded: layers" in out, out
+    code = main(["generate", "--model", str(folder), "--max-memory", "100KiB", "w1"])  # a working set of 1024
+    assert code != 0 and "working set of" in capsys.readouterr().err
     code = main(["generate", "--model", str(folder), "--max-memory", "lots", "w1"])
     assert code == 2 and "--max-memory" in capsys.readouterr().err
 
@@ -244,8 +280,11 @@ def test_a_tied_lm_head_counts_once_in_a_budget(tmp_path):
     model, _ = selfspec.load(str(tmp_path))
     layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
     embedding = model.model.embed_tokens.weight.numel() * 4
-    placed = place_for_budget(tmp_path, torch.float32, embedding + 4 * layer - 1, fast="cpu", slow="disk")
+    reserve = working_set_bytes(model.config, torch.float32, 64)
+    budget = embedding + 4 * layer - 1 + reserve
+    placed = place_for_budget(tmp_path, torch.float32, budget, fast="cpu", slow="disk", context=64)
     assert placed.offloaded_layers == (1, 2, 3), placed.device_map  # one layer beside the two slots
+    assert placed.reserved_bytes == reserve and placed.resident_bytes + reserve <= budget
 
 
 def count_hook_loads(monkeypatch) -> list[int]:

@@ -18,6 +18,7 @@ from pathlib import Path
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 QUANTIZE_CHOICES = ("int8", "int4")  # selfspec.quant.QUANTIZE_CHOICES, without importing torch to parse arguments
 KERNEL_CHOICES = ("measured", "packed", "transformers")  # selfspec.kernel_choice.KERNEL_CHOICES, likewise
+BUDGET_CONTEXT = 1024  # selfspec.offload.BUDGET_CONTEXT, likewise
 
 
 class Parser(argparse.ArgumentParser):
@@ -154,16 +155,21 @@ def size(value: str) -> str:
 def add_offload_arguments(parser: argparse.ArgumentParser) -> None:
     """--max-memory and --offload-folder: what `selfspec.load` places outside fast memory."""
     parser.add_argument("--max-memory", type=size, default=None, metavar="SIZE",
-                        help="a budget of fast memory (such as 300MiB): embeddings, LM head and norms first, then as "
-                             "many layers as fit; the rest offloaded (to disk on the CPU, to CPU memory behind a GPU), "
-                             "and the draft reads resident weights only")
+                        help="a budget of fast memory (such as 300MiB): room for a generation's working set first, "
+                             "then embeddings, LM head and norms, then as many layers as fit; the rest offloaded (to "
+                             "disk on the CPU, to CPU memory behind a GPU), and the draft reads resident weights only")
+    parser.add_argument("--budget-context", type=int, default=BUDGET_CONTEXT, metavar="N",
+                        help="positions --max-memory keeps a working set for: the KV cache, a prefill's activations "
+                             f"and a verify pass's logits (default {BUDGET_CONTEXT})")
     parser.add_argument("--offload-folder", default=None, metavar="DIR",
                         help="where offloaded weights go on disk (default: under the model cache)")
 
 
 def offload_options(args: argparse.Namespace) -> dict:
-    """`selfspec.load` keyword arguments for --max-memory and --offload-folder."""
-    return {"max_memory": args.max_memory, "offload_folder": args.offload_folder} if args.max_memory else {}
+    """`selfspec.load` keyword arguments for --max-memory, --budget-context and --offload-folder."""
+    if not args.max_memory:
+        return {}
+    return {"max_memory": args.max_memory, "offload_folder": args.offload_folder, "budget_context": args.budget_context}
 
 
 STEPS = ("auto", "eager", "static", "graphs")
