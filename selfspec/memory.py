@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import offload
 from .offload import describe_layers, offloaded_layers
 from .parts import ModelParts, text_config
 
@@ -103,12 +104,8 @@ def parameter_bytes(modules: list[nn.Module]) -> int:
 
 def kv_cache_bytes(parts: ModelParts, config, *, context: int, extra_layers: int = 0) -> int:
     """capacity x layers x kv heads x head dim x 2 x dtype size: what `SharedKVCache` allocates."""
-    config = text_config(config)
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    dtype_size = torch.empty(0, dtype=parts.dtype).element_size()
-    return context * (parts.num_layers + extra_layers) * kv_heads * head_dim * 2 * dtype_size
+    return offload.kv_cache_bytes(text_config(config), parts.dtype, context=context,
+                                  layers=parts.num_layers + extra_layers)
 
 
 def memory_report(model: nn.Module, parts: ModelParts, *, context: int, head: nn.Module | None = None,

@@ -87,7 +87,7 @@ class Placement:
 def working_set_bytes(config, dtype: torch.dtype, context: int) -> int:
     """Bytes a generation of up to `context` positions holds beside the weights (`config`: the text decoder's).
 
-    - the KV cache: context x layers x kv heads x head dim x 2 x dtype size (`memory.kv_cache_bytes`);
+    - the KV cache (`kv_cache_bytes`);
     - a prefill of `context` tokens, what one layer holds at once, per token, in the dtype: the residual
       stream and normed states (2 x hidden), query, key and value and their head-major copies (2 x (query +
       2 x kv width)), the rotary function's five terms over query and key (5 x (query + kv width)), attention
@@ -99,14 +99,24 @@ def working_set_bytes(config, dtype: torch.dtype, context: int) -> int:
     measures them).
     """
     size = torch.empty(0, dtype=dtype).element_size()
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_width = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
-    query, hidden = heads * head_dim, config.hidden_size
+    query, kv_width = attention_widths(config)
+    hidden = config.hidden_size
     inner = getattr(config, "intermediate_size", None) or 4 * hidden
-    kv = context * config.num_hidden_layers * kv_width * 2 * size
+    kv = kv_cache_bytes(config, dtype, context=context, layers=config.num_hidden_layers)
     layer = (4 * hidden + 2 * (query + 2 * kv_width) + 5 * (query + kv_width) + 5 * inner) * size + 4 * hidden * 4
     return kv + context * layer + VERIFY_ROWS * config.vocab_size * (size + 8)
+
+
+def attention_widths(config) -> tuple[int, int]:
+    """(query width, key/value width) of a text decoder's attention: heads x head dim, kv heads x head dim."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads * head_dim, (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+
+
+def kv_cache_bytes(config, dtype: torch.dtype, *, context: int, layers: int) -> int:
+    """context x layers x kv heads x head dim x 2 x dtype size: what `SharedKVCache` allocates."""
+    return context * layers * attention_widths(config)[1] * 2 * torch.empty(0, dtype=dtype).element_size()
 
 
 def budget_device_map(sizes: dict[str, int], layer_names: list[str], *, budget: int, fast: str,
@@ -250,14 +260,14 @@ class Offload:
     def placement(self, folder, dtype: torch.dtype, device: torch.device, default_folder) -> dict:
         """Keyword arguments for `from_pretrained`: a device map, the offload folder, accelerate's max_memory."""
         offload_folder = str(self.offload_folder or default_folder)
-        if self.device_map is not None or isinstance(self.max_memory, dict):
+        budget = self.budget
+        if budget is None:
             kwargs = {"device_map": self.device_map or "auto", "offload_folder": offload_folder}
             if self.max_memory is not None:
                 kwargs["max_memory"] = self.max_memory
             return kwargs
         fast, slow = ("cpu", "disk") if device.type == "cpu" else (str(device), "cpu")
-        placed = place_for_budget(folder, dtype, parse_bytes(self.max_memory), fast=fast, slow=slow,
-                                  context=self.context)
+        placed = place_for_budget(folder, dtype, budget, fast=fast, slow=slow, context=self.context)
         return {"device_map": placed.device_map, "offload_folder": offload_folder}
 
 
